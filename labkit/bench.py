@@ -1,0 +1,357 @@
+"""The measurement harness every lab uses: timing, peak memory, throughput, FLOPs/MFU, JSON lines.
+
+Rules it enforces: warm up before timing; synchronize the device before every clock read;
+report the median over repeats (and the spread); measure peak memory per region, not per process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import re
+import resource
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+# ----------------------------------------------------------------------------- timing
+
+
+def as_device(device: str | torch.device | None) -> torch.device:
+    """A torch.device; None means CUDA when available, else CPU."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def synchronize(device: str | torch.device | None = None) -> None:
+    """Wait for queued device work, so a clock read afterwards sees it finished."""
+    dev = as_device(device)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    elif dev.type == "mps":
+        torch.mps.synchronize()
+
+
+@dataclass
+class Timing:
+    """Seconds per call over `repeats` timed calls (after `warmup` untimed ones)."""
+
+    times: list[float]
+    warmup: int
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+    @property
+    def min(self) -> float:
+        return min(self.times)
+
+    @property
+    def max(self) -> float:
+        return max(self.times)
+
+    @property
+    def repeats(self) -> int:
+        return len(self.times)
+
+    def summary(self) -> dict[str, float | int]:
+        return {"median_s": self.median, "min_s": self.min, "max_s": self.max, "repeats": self.repeats}
+
+    def __str__(self) -> str:
+        return f"{fmt_seconds(self.median)} median of {self.repeats} (min {fmt_seconds(self.min)}, max {fmt_seconds(self.max)})"
+
+
+def time_fn(
+    fn: Callable[[], Any],
+    *,
+    warmup: int = 2,
+    repeats: int = 5,
+    device: str | torch.device | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Timing:
+    """Call `fn` `warmup` times untimed, then time `repeats` calls, syncing the device around each."""
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = clock()
+        fn()
+        synchronize(device)
+        times.append(clock() - start)
+    return Timing(times=times, warmup=warmup)
+
+
+def fmt_seconds(s: float) -> str:
+    """Human-readable duration: 12.3 µs, 4.56 ms, 7.89 s."""
+    if s < 1e-3:
+        return f"{s * 1e6:.1f} µs"
+    if s < 1:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s:.2f} s"
+
+
+def fmt_bytes(n: float) -> str:
+    """Human-readable size in binary units: 1.5 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+@dataclass
+class PeakMemory:
+    """Peak memory of a region. `kind` says what was measured, since CPU and GPU differ."""
+
+    device: str
+    kind: str = ""  # 'cuda_allocated' | 'rss' | 'rss_since_process_start'
+    peak_bytes: int = 0
+    start_bytes: int = 0
+
+    @property
+    def delta_bytes(self) -> int:
+        """Peak above what was in use when the region started."""
+        return self.peak_bytes - self.start_bytes
+
+    def __str__(self) -> str:
+        return f"peak {fmt_bytes(self.peak_bytes)} ({self.kind}, +{fmt_bytes(self.delta_bytes)} in region)"
+
+
+def _proc_status_kib(key: str) -> int | None:
+    try:
+        match = re.search(rf"^{key}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
+    except OSError:
+        return None
+    return int(match.group(1)) if match else None
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS counter (VmHWM) for this process; Linux only."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def track_peak_memory(device: str | torch.device | None = None) -> Iterator[PeakMemory]:
+    """Measure the peak memory of the `with` block: CUDA allocator on GPU, resident set on CPU."""
+    dev = as_device(device)
+    result = PeakMemory(device=str(dev))
+    if dev.type == "cuda":
+        synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        result.kind, result.start_bytes = "cuda_allocated", torch.cuda.memory_allocated(dev)
+        yield result
+        synchronize(dev)
+        result.peak_bytes = torch.cuda.max_memory_allocated(dev)
+        return
+    rss = _proc_status_kib("VmRSS")
+    if _reset_peak_rss() and rss is not None:
+        result.kind, result.start_bytes = "rss", rss * 1024
+        yield result
+        result.peak_bytes = (_proc_status_kib("VmHWM") or 0) * 1024
+        return
+    # No resettable counter (macOS, Windows): the process-lifetime peak is the best honest figure.
+    scale = 1 if platform.system() == "Darwin" else 1024
+    result.kind = "rss_since_process_start"
+    result.start_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+    yield result
+    result.peak_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+# ----------------------------------------------------------------------------- throughput and FLOPs
+
+
+def tokens_per_second(tokens: int, seconds: float) -> float:
+    """Throughput; seconds must be positive."""
+    if seconds <= 0:
+        raise ValueError(f"seconds must be positive, got {seconds}")
+    return tokens / seconds
+
+
+def matmul_flops(m: int, n: int, k: int) -> int:
+    """FLOPs of an (m×k) @ (k×n) matrix product: one multiply and one add per term."""
+    return 2 * m * n * k
+
+
+def transformer_flops_per_token(
+    n_params: int, n_layers: int, d_model: int, seq_len: int, training: bool = True
+) -> float:
+    """Model FLOPs per token: 6N + 12·L·d·T for a training step (fwd+bwd), a third of it forward only.
+
+    N excludes embeddings by convention (PaLM appendix B); the second term is attention's
+    score and value products, which parameter counts miss.
+    """
+    train = 6 * n_params + 12 * n_layers * d_model * seq_len
+    return train if training else train / 3
+
+
+# Dense peak throughput (FLOP/s) from vendor data sheets (without sparsity). SXM parts; PCIe
+# and NVL cards are lower, so a name match is approximate: the table says which part it assumes.
+PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "H100": {"fp32": 66.9e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12},  # H100 SXM
+    "H200": {"fp32": 66.9e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12},
+    "A100": {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
+    "L40S": {"fp32": 91.6e12, "tf32": 183e12, "bf16": 362e12, "fp16": 362e12},
+    "A10": {"fp32": 31.2e12, "tf32": 62.5e12, "bf16": 125e12, "fp16": 125e12},
+    "V100": {"fp32": 15.7e12, "fp16": 125e12},
+    "T4": {"fp32": 8.1e12, "fp16": 65e12},
+}
+
+
+def device_peak_flops(dtype: str, device: str | torch.device | None = None) -> float | None:
+    """Vendor dense peak FLOP/s for this GPU and dtype name, or None when unknown (any CPU)."""
+    dev = as_device(device)
+    if dev.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(dev)
+    for key in sorted(PEAK_FLOPS, key=len, reverse=True):
+        if re.search(rf"\b{key}\b", name):
+            return PEAK_FLOPS[key].get(dtype)
+    return None
+
+
+def mfu(achieved_flops_per_s: float, peak_flops_per_s: float | None) -> float | None:
+    """Model FLOPs utilization: achieved / peak, or None when the peak is unknown."""
+    return None if not peak_flops_per_s else achieved_flops_per_s / peak_flops_per_s
+
+
+# ----------------------------------------------------------------------------- device microbenchmarks
+
+DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def dtype_support(device: str | torch.device | None = None) -> dict[str, str | None]:
+    """For each matmul dtype: None if it runs natively here, else why it is skipped."""
+    dev = as_device(device)
+    if dev.type != "cuda":
+        return {
+            "fp32": None,
+            "tf32": "TF32 is a tensor-core mode of NVIDIA GPUs (Ampere and newer); a CPU has none",
+            "bf16": None,
+            "fp16": None,
+        }
+    major, _ = torch.cuda.get_device_capability(dev)
+    return {
+        "fp32": None,
+        "tf32": None if major >= 8 else "TF32 needs compute capability 8.0 (Ampere) or newer",
+        "bf16": None if torch.cuda.is_bf16_supported() else "this GPU has no native bf16",
+        "fp16": None,
+    }
+
+
+@contextlib.contextmanager
+def _tf32(enabled: bool) -> Iterator[None]:
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def matmul_throughput(
+    size: int, dtype: str, *, device: str | torch.device | None = None, warmup: int = 2, repeats: int = 5
+) -> dict[str, Any]:
+    """Time one square (size×size) matmul in `dtype` ('fp32', 'tf32', 'bf16', 'fp16'); return FLOP/s."""
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {list(DTYPES)}")
+    if size < 1:
+        raise ValueError(f"size must be positive, got {size}")
+    dev = as_device(device)
+    a = torch.randn(size, size, device=dev, dtype=DTYPES[dtype])
+    b = torch.randn(size, size, device=dev, dtype=DTYPES[dtype])
+    with _tf32(dtype == "tf32"):
+        timing = time_fn(lambda: a @ b, warmup=warmup, repeats=repeats, device=dev)
+    flops = matmul_flops(size, size, size) / timing.median
+    peak = device_peak_flops(dtype, dev)
+    return {"size": size, "dtype": dtype, "device": str(dev), **timing.summary(),
+            "flops_per_s": flops, "peak_flops_per_s": peak, "fraction_of_peak": mfu(flops, peak)}
+
+
+def copy_bandwidth(
+    megabytes: int, *, pinned: bool, direction: str = "h2d", device: str | torch.device = "cuda",
+    warmup: int = 2, repeats: int = 5,
+) -> dict[str, Any]:
+    """Host<->device copy bandwidth (bytes/s) for one buffer size; needs a CUDA device."""
+    if direction not in ("h2d", "d2h"):
+        raise ValueError(f"direction must be 'h2d' or 'd2h', got {direction!r}")
+    dev = as_device(device)
+    if dev.type != "cuda":
+        raise RuntimeError("copy bandwidth is a host<->GPU measurement and needs a CUDA device")
+    n = megabytes * 2**20
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=pinned)
+    gpu = torch.empty(n, dtype=torch.uint8, device=dev)
+    copy = (lambda: gpu.copy_(host, non_blocking=pinned)) if direction == "h2d" else (
+        lambda: host.copy_(gpu, non_blocking=pinned))
+    timing = time_fn(copy, warmup=warmup, repeats=repeats, device=dev)
+    return {"megabytes": megabytes, "pinned": pinned, "direction": direction, **timing.summary(),
+            "bytes_per_s": n / timing.median}
+
+
+# ----------------------------------------------------------------------------- results as JSON lines
+
+
+@dataclass
+class RunInfo:
+    """Where a measurement was taken, attached to every logged record."""
+
+    device: str = field(default_factory=lambda: device_name())
+    torch: str = torch.__version__
+    host: str = platform.node()
+    time: float = field(default_factory=time.time)
+
+
+def device_name(device: str | torch.device | None = None) -> str:
+    """'NVIDIA H100 80GB HBM3' on a GPU, else the CPU model and core count."""
+    dev = as_device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    from labkit.env import cpu_model
+
+    return f"CPU: {cpu_model()} ({os.cpu_count()} logical cores)"
+
+
+def log_result(path: str | Path, record: dict[str, Any]) -> dict[str, Any]:
+    """Append one record, with run info, as a JSON line (a single write, so lines never interleave)."""
+    full = {**asdict(RunInfo()), **record}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = (json.dumps(full, default=str) + "\n").encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+    return full
+
+
+def read_results(path: str | Path) -> list[dict[str, Any]]:
+    """All records of a JSON-lines results file (an incomplete last line is ignored)."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            if i == len(lines) - 1:  # a writer killed mid-line; earlier lines are whole
+                break
+            raise ValueError(f"{path}, line {i + 1}: not a JSON record") from None
+    return records

