@@ -22,10 +22,10 @@ STAMP      := $(VENV)/.labkit-installed
 .PHONY: lab test setup prepare doctor clean
 
 lab: prepare
-	$(PY) -m labkit lab $(LAB_ARGS)
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m labkit lab $(LAB_ARGS)
 
 test: prepare
-	LABKIT_PROFILE=smoke HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 MPLBACKEND=Agg \
+	PATH="$(abspath $(VENV))/bin:$$PATH" LABKIT_PROFILE=smoke HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
 	  $(PY) -m pytest tests labs --nbval-lax --nbval-cell-timeout=600 --durations=15 $(PYTEST_ARGS)
 
 setup: $(STAMP)

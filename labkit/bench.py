@@ -92,6 +92,26 @@ def time_fn(
     return Timing(times=times, warmup=warmup)
 
 
+@dataclass
+class Elapsed:
+    """Seconds taken by a `stopwatch` block (filled in when the block ends)."""
+
+    seconds: float = float("nan")
+
+
+@contextlib.contextmanager
+def stopwatch(
+    device: str | torch.device | None = None, clock: Callable[[], float] = time.perf_counter
+) -> Iterator[Elapsed]:
+    """Time one long-running block (an evaluation, a training run), syncing the device at both ends."""
+    result = Elapsed()
+    synchronize(device)
+    start = clock()
+    yield result
+    synchronize(device)
+    result.seconds = clock() - start
+
+
 def fmt_seconds(s: float) -> str:
     """Human-readable duration: 12.3 µs, 4.56 ms, 7.89 s."""
     if s < 1e-3:

@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("name", nargs="?", help="smoke, cpu or gpu (default: auto-detected)")
     p.set_defaults(func=_profile)
     p = sub.add_parser("lab", help="open JupyterLab on the labs/ folder; extra arguments go to jupyter lab")
-    p.add_argument("--root", default=str(LABS_DIR), help="folder to serve (default: the course's labs/)")
+    p.add_argument("--root", default=str(LABS_DIR if LABS_DIR.is_dir() else Path.cwd()),
+                   help="folder to serve (default: the course's labs/, else the current folder)")
     p.set_defaults(func=_lab)
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "lab":

@@ -56,7 +56,7 @@ PROFILES: dict[str, Profile] = {
             bench_warmup=5,
             bench_repeats=20,
             eval_documents=500,
-            eval_max_length=1024,
+            eval_max_length=512,
             max_new_tokens=64,
         ),
     )

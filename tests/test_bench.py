@@ -27,6 +27,16 @@ def test_time_fn_synchronizes_before_each_clock_read(monkeypatch):
     assert events == ["sync", "clock", "fn", "sync", "clock"] * 2
 
 
+def test_stopwatch_syncs_at_both_ends(monkeypatch):
+    events = []
+    monkeypatch.setattr(bench, "synchronize", lambda device=None: events.append("sync"))
+    ticks = iter([10.0, 12.5])
+    with bench.stopwatch(clock=lambda: events.append("clock") or next(ticks)) as elapsed:
+        events.append("work")
+    assert events == ["sync", "clock", "work", "sync", "clock"]
+    assert elapsed.seconds == 2.5
+
+
 def test_time_fn_rejects_bad_counts():
     with pytest.raises(ValueError, match="repeats >= 1"):
         bench.time_fn(lambda: None, repeats=0)
