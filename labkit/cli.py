@@ -47,7 +47,11 @@ def _lab(args: argparse.Namespace) -> int:
     if jupyter is None:
         print("labkit lab: JupyterLab is not installed; run `pip install -e .[dev]` (or `make lab`)", file=sys.stderr)
         return 1
-    cmd = [jupyter, "lab", f"--ServerApp.root_dir={args.root}", *args.jupyter_args]
+    # Offline by default: the extension manager would otherwise query PyPI.
+    cmd = [jupyter, "lab", f"--ServerApp.root_dir={args.root}", "--LabApp.extension_manager=readonly"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:  # containers and CI often run as root
+        cmd.append("--allow-root")
+    cmd += args.jupyter_args
     print("starting:", " ".join(cmd), flush=True)
     os.execv(jupyter, cmd)
 
