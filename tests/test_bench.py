@@ -129,3 +129,22 @@ def test_human_formats():
     assert bench.fmt_seconds(2.5e-5) == "25.0 µs"
     assert bench.fmt_seconds(0.25) == "250.00 ms"
     assert json.dumps(bench.fmt_seconds(3)) == '"3.00 s"'
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda
+def test_cuda_peak_memory_counts_an_allocation():
+    with bench.track_peak_memory("cuda") as mem:
+        x = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
+        del x
+    assert mem.kind == "cuda_allocated" and mem.delta_bytes >= 64 * 2**20
+
+
+@cuda
+def test_copy_bandwidth_and_matmul_on_gpu():
+    pinned = bench.copy_bandwidth(16, pinned=True, device="cuda", warmup=1, repeats=3)
+    assert pinned["bytes_per_s"] > 1e8
+    r = bench.matmul_throughput(1024, "bf16", device="cuda", warmup=1, repeats=3)
+    assert r["fraction_of_peak"] is None or 0 < r["fraction_of_peak"] < 1.05
