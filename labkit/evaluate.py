@@ -80,13 +80,17 @@ def perplexity(
     stream = torch.tensor(token_stream(tokenizer, texts), dtype=torch.long)
     cuts = windows(len(stream), max_length, stride)
     nll_sum, scored_total = 0.0, 0
-    for begin, end, scored in tqdm(cuts, desc="perplexity", disable=not progress, leave=False):
-        ids = stream[begin:end].unsqueeze(0).to(device)
-        logits = model(input_ids=ids).logits[0, :-1].float()
-        targets = ids[0, 1:]
-        nll = F.cross_entropy(logits[-scored:], targets[-scored:], reduction="sum")
-        nll_sum += nll.item()
-        scored_total += scored
+    was_training = model.training
+    model.eval()  # dropout off: a model handed over mid-training is scored as it would serve
+    try:
+        for begin, end, scored in tqdm(cuts, desc="perplexity", disable=not progress, leave=False):
+            ids = stream[begin:end].unsqueeze(0).to(device)
+            logits = model(input_ids=ids).logits[0, :-1].float()
+            targets = ids[0, 1:]
+            nll_sum += F.cross_entropy(logits[-scored:], targets[-scored:], reduction="sum").item()
+            scored_total += scored
+    finally:
+        model.train(was_training)
     mean = nll_sum / scored_total
     return Perplexity(perplexity=math.exp(mean), nll=mean, tokens=scored_total, windows=len(cuts))
 

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from labkit import assets
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -43,7 +47,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device | None = None,
     trust_remote_code: bool = False,
-) -> tuple[nn.Module, "PreTrainedTokenizerBase"]:  # noqa: F821
+) -> tuple[nn.Module, PreTrainedTokenizerBase]:
     """Return (model, tokenizer) in eval mode for an offline name, a local path or a Hub id."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

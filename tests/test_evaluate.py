@@ -76,6 +76,18 @@ def test_perplexity_matches_manual_loss_on_a_real_model():
     assert result.perplexity == pytest.approx(math.exp(total / count), rel=1e-5)
 
 
+def test_perplexity_scores_in_eval_mode_and_restores_training_mode():
+    from labkit.models import tiny_gpt2
+
+    model = tiny_gpt2(vocab_size=257)  # GPT-2 has dropout 0.1: train mode would change the figure
+    texts = ["dropout must be off while scoring"]
+    expected = evaluate.perplexity(model, ByteTokenizer(), texts, max_length=16, progress=False)
+    model.train()
+    again = evaluate.perplexity(model, ByteTokenizer(), texts, max_length=16, progress=False)
+    assert again.perplexity == expected.perplexity
+    assert model.training
+
+
 def test_perplexity_rejects_empty_input():
     with pytest.raises(ValueError, match="non-empty"):
         evaluate.perplexity(Uniform(257), ByteTokenizer(), ["  "], progress=False)
