@@ -1,0 +1,110 @@
+"""Byte-level BPE: exact parity with `tokenizers`, lossless round trips, tokenizer.json, clear errors."""
+
+import json
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from labkit import tokenizer as T
+from labkit.data import load_corpus
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return load_corpus("wiki", "train")[:300]
+
+
+@pytest.fixture(scope="module")
+def bpe(corpus):
+    return T.train_bpe(corpus, 700, progress=False)
+
+
+def test_merges_equal_huggingface_tokenizers(corpus, bpe):
+    hf = T.train_hf_bpe(corpus, 700)
+    assert len(bpe.merges) == 700 - 257
+    assert bpe.merges == T.hf_merges(hf)
+    assert bpe.to_hf().get_vocab() == hf.get_vocab()
+
+
+unicode_text = st.lists(
+    st.one_of(
+        st.text(st.characters(blacklist_categories=("Cs",)), max_size=20),  # any code point but surrogates
+        st.sampled_from(["é", "e\u0301", "🦙", "👩\u200d👩\u200d👧", "中文", "  ", "\n\n", "\t", "'s", "<|endoftext|>"]),
+    ),
+    max_size=12,
+).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=unicode_text)
+def test_encode_decode_is_lossless_and_matches_the_library(bpe, text):
+    ids = bpe.encode(text)
+    assert bpe.decode(ids) == text
+    assert ids == bpe.to_hf().encode(text).ids
+
+
+def test_special_tokens_are_atomic(bpe):
+    ids = bpe.encode("end.<|endoftext|>Next")
+    assert ids.count(bpe.special_ids["<|endoftext|>"]) == 1
+    assert bpe.decode(ids) == "end.<|endoftext|>Next"
+
+
+def test_rare_words_split_into_known_pieces(bpe):
+    assert bpe.tokens(" the") == [" the"]
+    pieces = bpe.tokens(" Zyzzyva")
+    assert len(pieces) > 1 and "".join(pieces) == " Zyzzyva"
+
+
+def test_save_load_round_trip_and_transformers_reads_it(tmp_path, bpe):
+    from transformers import PreTrainedTokenizerFast
+
+    path = bpe.save(tmp_path / "tokenizer.json")
+    loaded = T.BPETokenizer.load(path)
+    assert loaded.merges == bpe.merges and loaded.special_tokens == bpe.special_tokens
+    assert loaded.fingerprint == bpe.fingerprint
+    text = "Tokenizers turn text into integers: naïve café 🦙."
+    fast = PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token="<|endoftext|>")
+    assert fast(text)["input_ids"] == bpe.encode(text)
+    assert fast.decode(bpe.encode(text)) == text
+
+
+def test_fingerprint_tells_tokenizers_apart(corpus, bpe):
+    other = T.train_bpe(corpus, 600, progress=False)
+    assert other.fingerprint != bpe.fingerprint
+
+
+def test_load_rejects_foreign_and_tampered_files(tmp_path, bpe):
+    wordpiece = tmp_path / "wp.json"
+    wordpiece.write_text(json.dumps({"model": {"type": "WordPiece"}, "pre_tokenizer": None}))
+    with pytest.raises(ValueError, match="not a byte-level BPE"):
+        T.BPETokenizer.load(wordpiece)
+    spec = json.loads(bpe.to_hf().to_str())
+    first = next(k for k, v in spec["model"]["vocab"].items() if v == 300)
+    spec["model"]["vocab"][first] = 301
+    tampered = tmp_path / "tampered.json"
+    tampered.write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match="do not follow from the merges"):
+        T.BPETokenizer.load(tampered)
+
+
+def test_bad_input_is_rejected_clearly(bpe):
+    with pytest.raises(ValueError, match=r"unpaired surrogate '\\ud800' at index 2"):
+        bpe.encode("ab\ud800c")
+    with pytest.raises(TypeError, match="decode bytes"):
+        bpe.encode(b"bytes")
+    with pytest.raises(ValueError, match=r"too small.*257"):
+        T.train_bpe(["text"], 256)
+    with pytest.raises(ValueError, match="empty corpus"):
+        T.train_bpe([], 300)
+    with pytest.raises(ValueError, match="empty corpus"):
+        T.train_bpe(["", ""], 300)
+    with pytest.raises(ValueError, match="token ids"):
+        bpe.decode([10**9])
+    with pytest.raises(ValueError, match="distinct"):
+        T.BPETokenizer([], ["<s>", "<s>"])
+
+
+def test_training_stops_when_no_pair_is_left():
+    tok = T.train_bpe(["ab ab"], 1000, progress=False)  # pre-tokens "ab" and " ab"
+    assert tok.merges == [(b"a", b"b"), (b" ", b"ab")] == T.hf_merges(T.train_hf_bpe(["ab ab"], 1000))
+    assert tok.vocab_size == 257 + 2  # each pre-token is one token: nothing left to merge
