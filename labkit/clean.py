@@ -151,11 +151,11 @@ def contaminate(texts: list[str], n_exact: int = 20, n_near: int = 20, n_short: 
     """Inject known dirt into a clean corpus: exact copies, one-word edits, short stubs, messy Unicode.
 
     Returns the dirty corpus and how many of each kind went in, so a cleaning run can be scored.
-    Near-duplicates are made only from documents of 60+ words, where one changed word keeps the
-    5-gram Jaccard similarity above 0.8.
+    Near-duplicates are made only from documents of 120+ words, where one changed word keeps the
+    5-gram Jaccard similarity near 0.92, clearly above the default 0.8 threshold.
     """
     rng = np.random.default_rng(seed)
-    long_docs = [t for t in texts if len(t.split()) >= 60]
+    long_docs = [t for t in texts if len(t.split()) >= 120]
     if n_exact > len(texts) or n_near > len(long_docs):
         raise ValueError("not enough documents to copy from")
     dirty = list(texts)
