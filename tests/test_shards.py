@@ -1,0 +1,143 @@
+"""Packing, padded batches, checked shards, and a loader that is seeded, rank-disjoint and complete."""
+
+import numpy as np
+import pytest
+import torch
+
+from labkit import shards
+
+
+def test_concat_and_pack():
+    stream = shards.concat_with_separator([[5, 6], [7], [8, 9, 10]], eos_id=0)
+    assert stream.tolist() == [5, 6, 0, 7, 0, 8, 9, 10, 0]
+    blocks = shards.pack_blocks(stream, 4)
+    assert blocks.tolist() == [[5, 6, 0, 7], [0, 8, 9, 10]]  # the 1-token tail is dropped
+    with pytest.raises(ValueError, match="fewer than one block"):
+        shards.pack_blocks(stream, 10)
+    with pytest.raises(ValueError, match="no documents"):
+        shards.concat_with_separator([], 0)
+
+
+def test_pad_batch_masks_padding():
+    batch = shards.pad_batch([[1, 2, 3], [4]], pad_id=0)
+    assert batch["input_ids"].tolist() == [[1, 2, 3], [4, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch["labels"].tolist() == [[1, 2, 3], [4, -100, -100]]
+    assert shards.pad_batch([[1, 2, 3]], 0, max_length=2)["input_ids"].tolist() == [[1, 2]]
+    with pytest.raises(ValueError, match="no empty"):
+        shards.pad_batch([[1], []], 0)
+
+
+def test_encode_texts_accepts_both_tokenizer_kinds(default_model):
+    from labkit.tokenizer import train_bpe
+
+    bpe = train_bpe(["hello world"] * 3, 270, progress=False)
+    assert shards.encode_texts(bpe, ["hello"]) == [bpe.encode("hello")]
+    _, hf = default_model
+    assert shards.encode_texts(hf, ["hello"]) == [hf("hello", add_special_tokens=False)["input_ids"]]
+
+
+@pytest.mark.parametrize("vocab, dtype", [(300, "uint16"), (65536, "uint16"), (70000, "uint32")])
+def test_shard_round_trip_picks_the_smallest_dtype(tmp_path, vocab, dtype):
+    tokens = np.arange(1000) % vocab
+    path = shards.write_shard(tmp_path / "s", tokens, vocab, "tok123")
+    data = shards.open_shard(path, tokenizer="tok123")
+    assert data.dtype == dtype and np.array_equal(data, tokens)
+    info = shards.read_shard_info(path)
+    assert (info.tokens, info.vocab_size, info.tokenizer) == (1000, vocab, "tok123")
+
+
+@pytest.fixture
+def shard(tmp_path):
+    return shards.write_shard(tmp_path / "s", np.arange(500) % 300, 300, "tokA")
+
+
+def test_truncated_shard_is_detected(shard):
+    shard.write_bytes(shard.read_bytes()[:-2])
+    with pytest.raises(ValueError, match="truncated"):
+        shards.open_shard(shard)
+
+
+def test_corrupted_shard_is_detected(shard):
+    data = bytearray(shard.read_bytes())
+    data[10] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="SHA-256"):
+        shards.open_shard(shard)
+
+
+def test_shard_from_another_tokenizer_is_refused(shard):
+    with pytest.raises(ValueError, match="made with tokenizer tokA, not tokB"):
+        shards.open_shard(shard, tokenizer="tokB")
+
+
+def test_interrupted_write_leaves_an_unusable_shard_not_a_wrong_one(shard, monkeypatch):
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shards, "atomic_write_text", killed)
+    with pytest.raises(KeyboardInterrupt):
+        shards.write_shard(shard, np.arange(800) % 300, 300, "tokA")  # new data, sidecar never written
+    with pytest.raises(ValueError, match="never finished"):
+        shards.open_shard(shard)
+
+
+def test_bad_tokens_write_nothing(tmp_path):
+    with pytest.raises(ValueError, match=r"\[0, 300\)"):
+        shards.write_shard(tmp_path / "s", np.array([1, 2, 300]), 300, "t")
+    with pytest.raises(ValueError, match="non-empty"):
+        shards.write_shard(tmp_path / "s", np.array([], dtype=np.int64), 300, "t")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def shard_set(tmp_path):
+    stream = np.arange(1000) % 300
+    return shards.write_shards(stream, tmp_path, shard_tokens=400, vocab_size=300, tokenizer="tokA")
+
+
+def test_blocks_shift_by_one_and_stay_inside_shards(shard_set):
+    ds = shards.BlockDataset(shard_set, block_size=16)
+    assert len(shard_set) == 3 and len(ds) == 24 + 24 + 12  # (400-1)//16, (400-1)//16, (200-1)//16
+    for i in range(len(ds)):
+        x, y = ds[i]
+        assert torch.equal(x[1:], y[:-1]) and x.dtype == torch.int64
+    assert ds[24][0][0].item() == 400 % 300  # block 0 of the second shard starts at its token 0
+    with pytest.raises(ValueError, match="no block"):
+        shards.BlockDataset(shard_set[2:], block_size=500)
+
+
+@pytest.mark.parametrize("n, world", [(10, 1), (10, 3), (7, 4), (3, 4)])
+def test_rank_sampler_is_disjoint_and_complete(n, world):
+    parts = [list(shards.RankSampler(n, r, world, seed=5)) for r in range(world)]
+    flat = [i for p in parts for i in p]
+    assert sorted(flat) == list(range(n))
+    assert [len(p) for p in parts] == [len(shards.RankSampler(n, r, world)) for r in range(world)]
+
+
+def test_rank_sampler_is_seeded_per_epoch():
+    s = shards.RankSampler(50, seed=1)
+    first = list(s)
+    assert first == list(shards.RankSampler(50, seed=1))
+    s.set_epoch(1)
+    assert list(s) != first and sorted(s) == sorted(first)
+    with pytest.raises(ValueError, match="rank < world_size"):
+        shards.RankSampler(10, rank=2, world_size=2)
+
+
+def test_loader_is_deterministic_with_workers_and_disjoint_across_ranks(shard_set):
+    def blocks(loader):
+        return [tuple(x.tolist()) for xb, _ in loader for x in xb]
+
+    single = blocks(shards.make_loader(shard_set, 16, 4, seed=3))
+    assert blocks(shards.make_loader(shard_set, 16, 4, seed=3, num_workers=2)) == single
+    ranks = [blocks(shards.make_loader(shard_set, 16, 4, seed=3, rank=r, world_size=2)) for r in range(2)]
+    assert not set(ranks[0]) & set(ranks[1])
+    assert sorted(ranks[0] + ranks[1]) == sorted(single)
+
+
+def test_loader_checks_tokenizer_and_measures_throughput(shard_set):
+    with pytest.raises(ValueError, match="re-tokenize"):
+        shards.make_loader(shard_set, 16, 4, tokenizer="other")
+    result = shards.loader_throughput(shards.make_loader(shard_set, 16, 4), batches=5, device="cpu")
+    assert result["tokens"] == 5 * 4 * 16 and result["tokens_per_s"] > 0
