@@ -70,6 +70,13 @@ def load_model(
     return model.eval(), tokenizer
 
 
+def load_tokenizer(name: str = DEFAULT_MODEL, *, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """Only the tokenizer of an offline name, a local path or a Hub id (no weights are loaded)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model(name), trust_remote_code=trust_remote_code)
+
+
 def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
     """Number of distinct parameters (tied weights counted once)."""
     seen = {p.data_ptr(): p for p in model.parameters() if p.requires_grad or not trainable_only}

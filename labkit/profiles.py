@@ -21,6 +21,12 @@ class Profile:
     eval_documents: int  # validation documents scored for perplexity
     eval_max_length: int  # perplexity window length in tokens
     max_new_tokens: int  # generation length in demos
+    bpe_vocab_sizes: tuple[int, ...]  # own BPE tokenizers trained in lab 01
+    bpe_train_documents: int  # wiki train documents they are trained on (at most)
+    block_size: int  # tokens per training block
+    batch_size: int  # blocks per batch
+    loader_workers: tuple[int, ...]  # DataLoader worker counts compared in lab 01
+    loader_batches: int  # batches timed per loader measurement
 
 
 PROFILES: dict[str, Profile] = {
@@ -36,6 +42,12 @@ PROFILES: dict[str, Profile] = {
             eval_documents=4,
             eval_max_length=256,
             max_new_tokens=16,
+            bpe_vocab_sizes=(300, 512),
+            bpe_train_documents=300,
+            block_size=64,
+            batch_size=4,
+            loader_workers=(0, 1),
+            loader_batches=10,
         ),
         Profile(
             name="cpu",
@@ -47,6 +59,12 @@ PROFILES: dict[str, Profile] = {
             eval_documents=64,
             eval_max_length=512,
             max_new_tokens=48,
+            bpe_vocab_sizes=(1024, 4096, 16384),
+            bpe_train_documents=100_000,
+            block_size=256,
+            batch_size=8,
+            loader_workers=(0, 1, 2),
+            loader_batches=100,
         ),
         Profile(
             name="gpu",
@@ -58,6 +76,12 @@ PROFILES: dict[str, Profile] = {
             eval_documents=500,
             eval_max_length=512,
             max_new_tokens=64,
+            bpe_vocab_sizes=(1024, 4096, 16384),
+            bpe_train_documents=100_000,
+            block_size=1024,
+            batch_size=16,
+            loader_workers=(0, 2, 4, 8),
+            loader_batches=200,
         ),
     )
 }

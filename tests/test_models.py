@@ -67,3 +67,10 @@ def test_default_model_is_smollm2_and_answers_a_fact(default_model):
     assert tokenizer.chat_template  # the chat template survived the conversion
     answer = generate(model, tokenizer, "What is the capital of France?", max_new_tokens=20)
     assert "Paris" in answer
+
+
+def test_load_tokenizer_alone_matches_load_model(default_model):
+    _, tokenizer = default_model
+    alone = models.load_tokenizer("smollm2-135m")
+    assert alone("Paris is a city.")["input_ids"] == tokenizer("Paris is a city.")["input_ids"]
+    assert alone.vocab_size == 49152
