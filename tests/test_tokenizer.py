@@ -92,6 +92,8 @@ def test_bad_input_is_rejected_clearly(bpe):
         bpe.encode("ab\ud800c")
     with pytest.raises(TypeError, match="decode bytes"):
         bpe.encode(b"bytes")
+    with pytest.raises(TypeError, match="decode bytes"):
+        T.train_bpe([b"caf\xe9"], 300)  # raw (here Latin-1) bytes: decode to str first
     with pytest.raises(ValueError, match=r"too small.*257"):
         T.train_bpe(["text"], 256)
     with pytest.raises(ValueError, match="empty corpus"):
