@@ -26,12 +26,11 @@ class Perplexity:
 
 def token_stream(tokenizer, texts: list[str]) -> list[int]:
     """Texts tokenized one by one (no special tokens) and joined, each followed by the EOS token."""
+    from labkit.shards import concat_with_separator, encode_texts
+
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no EOS token to separate documents")
-    stream: list[int] = []
-    for text in texts:
-        stream += tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    return stream
+    return concat_with_separator(encode_texts(tokenizer, texts), tokenizer.eos_token_id).tolist()
 
 
 def windows(n_tokens: int, max_length: int, stride: int) -> list[tuple[int, int, int]]:

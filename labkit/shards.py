@@ -173,9 +173,8 @@ class BlockDataset(Dataset):
             raise ValueError("no shards given")
         self.paths, self.block_size = [str(p) for p in paths], block_size
         counts = []
-        for p in self.paths:
-            open_shard(p, tokenizer)  # check every shard once, up front
-            counts.append(max(0, (read_shard_info(p).tokens - 1) // block_size))
+        for p in self.paths:  # every shard is checked once, up front
+            counts.append(max(0, (len(open_shard(p, tokenizer)) - 1) // block_size))
         self.offsets = np.cumsum([0, *counts])
         if self.offsets[-1] == 0:
             raise ValueError(f"the shards hold no block of {block_size} + 1 tokens")

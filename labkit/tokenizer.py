@@ -52,9 +52,14 @@ def to_unicode(token: bytes) -> str:
     return "".join(table[b] for b in token)
 
 
+@lru_cache(maxsize=1)
+def _unicode_to_bytes() -> dict[str, int]:
+    return {c: b for b, c in bytes_to_unicode().items()}
+
+
 def from_unicode(text: str) -> bytes:
     """Inverse of to_unicode."""
-    table = {c: b for b, c in bytes_to_unicode().items()}
+    table = _unicode_to_bytes()
     try:
         return bytes(table[c] for c in text)
     except KeyError as err:
@@ -205,9 +210,7 @@ class BPETokenizer:
         merges = [m.split(" ") if isinstance(m, str) else m for m in model["merges"]]
         specials = [t["content"] for t in sorted(spec.get("added_tokens", []), key=lambda t: t["id"])]
         tok = cls([(from_unicode(a), from_unicode(b)) for a, b in merges], specials)
-        expected = {tok_str: i for tok_str, i in model["vocab"].items()}
-        rebuilt = tok.to_hf().get_vocab()
-        if rebuilt != expected:
+        if tok.to_hf().get_vocab() != model["vocab"]:
             raise ValueError(f"{path}: vocabulary ids do not follow from the merges (not made by this recipe)")
         return tok
 
