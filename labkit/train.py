@@ -1,0 +1,361 @@
+"""The course's trainer: token-normalized gradient accumulation, mixed precision, clipping, LR schedules,
+and checkpoints that resume the exact same trajectory. nanoGPT-sized: read it top to bottom.
+
+A step takes `accum_steps` micro-batches. Each micro-batch's summed loss is divided by the number of
+target tokens in the *whole window*, so k micro-batches of b sequences give the same gradient as one
+batch of k·b sequences, even when the sequences have different lengths. (Dividing each micro-batch
+by its own token count — the per-micro-batch mean — weights short micro-batches up; transformers
+shipped that bug until October 2024.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import random
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import psutil
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file, save_model
+from torch import nn
+from tqdm.auto import tqdm
+
+from labkit import assets, bench, precision
+
+SCHEDULES = ("cosine", "linear", "constant")
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run needs besides the model and the data; saved in every checkpoint."""
+
+    steps: int
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_steps: int = 0
+    schedule: str = "cosine"
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float | None = 1.0  # None: report the norm, never clip
+    accum_steps: int = 1
+    precision: str = "fp32"
+    activation_checkpointing: bool = False
+    compile: bool = False
+    seed: int = 0
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0  # 0: only at the end (when checkpoint_dir is set)
+    keep_checkpoints: int = 2
+    log_path: str | None = None
+    progress: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)  # free-form notes saved with the run
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.accum_steps < 1:
+            raise ValueError(f"accumulation steps must be >= 1, got {self.accum_steps}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {SCHEDULES}")
+        if not 0 <= self.warmup_steps <= self.steps:
+            raise ValueError(f"warmup_steps must be in [0, steps], got {self.warmup_steps}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"need 0 <= min_lr <= lr, got min_lr={self.min_lr}, lr={self.lr}")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise ValueError(f"grad_clip must be positive or None, got {self.grad_clip}")
+        if self.precision not in precision.MODES:
+            raise ValueError(f"unknown precision {self.precision!r}; choose one of {precision.MODES}")
+        if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
+            raise ValueError("need checkpoint_every >= 0 and keep_checkpoints >= 1")
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate for 0-based `step`: linear warm-up to lr, then cosine/linear decay to min_lr, or constant."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps - 1))
+    if cfg.schedule == "cosine":
+        return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+    return cfg.lr - (cfg.lr - cfg.min_lr) * progress
+
+
+def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not biases or norm gains); fused on CUDA."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    fused = next(model.parameters()).device.type == "cuda"
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=cfg.betas, fused=fused,
+    )
+
+
+# ----------------------------------------------------------------------------- batches and the loss
+
+
+def as_batch(item: Any, device: torch.device) -> dict[str, torch.Tensor]:
+    """A micro-batch as {input_ids, targets[, attention_mask]}: targets[t] is what position t predicts.
+
+    Accepts the shard loader's (input, target) pairs, or a padded dict with HF-style `labels`
+    (-100 on padding, not yet shifted).
+    """
+    if isinstance(item, (tuple, list)):
+        x, y = item
+        batch = {"input_ids": x, "targets": y}
+    elif isinstance(item, dict):
+        labels = item.get("labels", item["input_ids"])
+        targets = torch.full_like(labels, -100)
+        targets[:, :-1] = labels[:, 1:]
+        batch = {"input_ids": item["input_ids"], "targets": targets}
+        if "attention_mask" in item:
+            batch["attention_mask"] = item["attention_mask"]
+    else:
+        raise TypeError(f"a batch is an (input, target) pair or a dict with input_ids, got {type(item).__name__}")
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], policy: precision.Policy) -> torch.Tensor:
+    """Summed cross-entropy over the batch's target tokens (positions with target -100 are skipped)."""
+    with policy.autocast():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), batch["targets"].flatten(), ignore_index=-100, reduction="sum")
+
+
+def accumulate_gradients(
+    model: nn.Module, micro_batches: list[dict[str, torch.Tensor]], policy: precision.Policy,
+    scaler: torch.amp.GradScaler | None = None, normalize: str = "tokens",
+) -> tuple[float, int]:
+    """Backward over micro-batches into .grad; return (mean loss per target token, target tokens).
+
+    normalize="tokens" divides every micro-batch's summed loss by the window's total target tokens:
+    the exact gradient of the big batch. "per_microbatch_mean" averages per-micro-batch means —
+    the common mistake, kept for lab 03 to show that it differs.
+    """
+    if normalize not in ("tokens", "per_microbatch_mean"):
+        raise ValueError(f"normalize must be 'tokens' or 'per_microbatch_mean', got {normalize!r}")
+    counts = [int((mb["targets"] != -100).sum()) for mb in micro_batches]
+    total = sum(counts)
+    if total == 0:
+        raise ValueError("the accumulation window has no target tokens")
+    loss_total = torch.zeros((), device=micro_batches[0]["input_ids"].device)
+    for i, (mb, n) in enumerate(zip(micro_batches, counts)):
+        last = i == len(micro_batches) - 1
+        # Under DDP, gradients are all-reduced only after the last micro-batch (lab 04).
+        sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
+        with sync:
+            s = loss_sum(model, mb, policy)
+            divisor = total if normalize == "tokens" else n * len(micro_batches)
+            loss = s / divisor
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        loss_total += s.detach()
+    return loss_total.item() / total, total
+
+
+def train_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[dict[str, torch.Tensor]],
+    policy: precision.Policy, scaler: torch.amp.GradScaler, grad_clip: float | None,
+) -> dict[str, float | int | bool]:
+    """One optimizer step: accumulate, unscale, clip (reporting the pre-clip norm), step, zero grads."""
+    loss, tokens = accumulate_gradients(model, micro_batches, policy, scaler)
+    if not scaler.is_enabled() and not math.isfinite(loss):
+        optimizer.zero_grad(set_to_none=True)
+        raise FloatingPointError(f"non-finite loss {loss}: lower the learning rate, check the data, or use "
+                                 "fp32/bf16 (fp16 runs skip such steps through the loss scaler)")
+    scaler.unscale_(optimizer)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip is not None else float("inf"))
+    scale = scaler.get_scale()
+    scaler.step(optimizer)  # skipped by the scaler when fp16 gradients overflowed
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": loss, "tokens": tokens, "grad_norm": norm.item(),
+            "skipped": bool(scaler.is_enabled() and scaler.get_scale() < scale)}
+
+
+# ----------------------------------------------------------------------------- data position
+
+
+_END = object()
+
+
+class DataStream:
+    """Endless micro-batches from a loader, epoch after epoch, with a position a checkpoint can restore.
+
+    Exact resumption needs a seeded sampler (labkit.shards.make_loader's) and a dataset that draws
+    no random numbers. Starting an iterator can draw from the global RNG (DataLoader seeds its
+    workers; a generator wrapping a loader starts it on its first item), so starting, skipping
+    and the first fetch happen with the RNG forked: dropout draws the same masks after a resume.
+    """
+
+    def __init__(self, loader: Iterable, epoch: int = 0, index: int = 0):
+        self.loader, self.epoch, self.index = loader, epoch, index
+        self._it, self._next = None, _END
+
+    def _start(self) -> None:
+        sampler = getattr(self.loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(self.epoch)
+        with torch.random.fork_rng(devices=[]):
+            self._it = iter(self.loader)
+            for _ in range(self.index):  # skip what was consumed before the checkpoint
+                next(self._it)
+            self._next = next(self._it, _END)
+
+    def __next__(self) -> Any:
+        if self._it is None:
+            self._start()
+        if self._next is _END:  # the epoch is over: reshuffle and go on
+            self.epoch, self.index = self.epoch + 1, 0
+            self._start()
+            if self._next is _END:
+                raise ValueError("the loader yields no batches")
+        item, self._next = self._next, next(self._it, _END)
+        self.index += 1
+        return item
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index}
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors |= {f"torch_cuda_{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())}
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    tensors["numpy_keys"] = torch.from_numpy(keys.astype(np.int64))
+    return tensors, {"numpy": [kind, pos, has_gauss, gauss], "python": random.getstate()}
+
+
+def _set_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    torch.set_rng_state(tensors["torch_cpu"])
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([tensors[f"torch_cuda_{i}"] for i in range(torch.cuda.device_count())
+                                      if f"torch_cuda_{i}" in tensors])
+    kind, pos, has_gauss, gauss = meta["numpy"]
+    np.random.set_state((kind, tensors["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, gauss))
+    py = meta["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+
+
+def save_checkpoint(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    scaler: torch.amp.GradScaler, step: int, data_state: dict[str, int], cfg: TrainConfig) -> Path:
+    """Write step_NNNNNN/ atomically: weights and optimizer tensors as safetensors, the rest as JSON."""
+    dest = Path(directory) / f"step_{step:06d}"
+    opt = optimizer.state_dict()
+    opt_tensors = {f"{pid}.{key}": value for pid, state in opt["state"].items()
+                   for key, value in state.items() if torch.is_tensor(value)}
+    rng_tensors, rng_meta = _rng_state()
+    with assets.atomic_directory(dest) as tmp:
+        save_model(model, str(tmp / "model.safetensors"))  # handles tied weights
+        save_file({k: v.contiguous() for k, v in opt_tensors.items()}, str(tmp / "optimizer.safetensors"))
+        save_file(rng_tensors, str(tmp / "rng.safetensors"))
+        state = {"step": step, "data": data_state, "config": asdict(cfg), "param_groups": opt["param_groups"],
+                 "scaler": scaler.state_dict(), "rng": rng_meta}
+        assets.atomic_write_text(tmp / "trainer.json", json.dumps(state, indent=1))
+        assets.write_manifest(tmp, source="labkit.train")
+    for old in sorted(Path(directory).glob("step_*"))[: -cfg.keep_checkpoints]:
+        shutil.rmtree(old)
+    return dest
+
+
+def latest_checkpoint(directory: str | Path) -> Path | None:
+    """The newest finished checkpoint in `directory` (temporary, unfinished ones are never listed)."""
+    found = sorted(Path(directory).glob("step_*")) if Path(directory).is_dir() else []
+    return found[-1] if found else None
+
+
+def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    scaler: torch.amp.GradScaler | None = None) -> dict[str, Any]:
+    """Restore model (and optimizer, scaler, RNG) from a checkpoint after checking it is whole and fits."""
+    path = Path(path)
+    problem = assets.check_manifest(path) if path.is_dir() else f"{path} does not exist"
+    if problem:
+        raise ValueError(f"checkpoint {path} is unusable: {problem}")
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    mismatched = [f"{k}: model {expected[k]}, checkpoint {saved[k]}" for k in saved if k in expected and expected[k] != saved[k]]
+    unknown = sorted(set(saved) - set(expected))
+    if mismatched or unknown:
+        detail = "; ".join(mismatched[:3] + [f"unexpected tensor {k}" for k in unknown[:3]])
+        raise ValueError(f"checkpoint {path} was saved from another model shape: {detail}")
+    weights = load_file(str(path / "model.safetensors"), device=str(next(model.parameters()).device))
+    model.load_state_dict(weights, strict=False)  # tied weights are stored once
+    current = model.state_dict()
+    loaded_storage = {current[k].data_ptr() for k in weights if k in current}
+    absent = [k for k in set(expected) - set(weights) if current[k].data_ptr() not in loaded_storage]  # not tied
+    if absent:
+        raise ValueError(f"checkpoint {path} lacks tensors: {sorted(absent)[:3]}")
+    state = json.loads((path / "trainer.json").read_text())
+    if optimizer is not None:
+        tensors = load_file(str(path / "optimizer.safetensors"))
+        opt_state: dict[int, dict[str, torch.Tensor]] = {}
+        for key, value in tensors.items():
+            pid, name = key.split(".", 1)
+            opt_state.setdefault(int(pid), {})[name] = value
+        optimizer.load_state_dict({"state": opt_state, "param_groups": state["param_groups"]})
+    if scaler is not None:
+        scaler.load_state_dict(state["scaler"])
+    _set_rng_state(load_file(str(path / "rng.safetensors")), state["rng"])
+    return state
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def _memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return psutil.Process().memory_info().rss
+
+
+def fit(model: nn.Module, loader: Iterable, cfg: TrainConfig) -> list[dict[str, Any]]:
+    """Train for cfg.steps optimizer steps, resuming from cfg.checkpoint_dir's latest checkpoint if any."""
+    device = next(model.parameters()).device
+    policy = precision.policy(cfg.precision, device)
+    torch.manual_seed(cfg.seed)
+    if cfg.activation_checkpointing:
+        if not hasattr(model, "gradient_checkpointing_enable"):
+            raise ValueError("activation checkpointing needs a transformers model (gradient_checkpointing_enable)")
+        model.gradient_checkpointing_enable()
+    model.train()
+    step_model = torch.compile(model) if cfg.compile else model
+    optimizer = make_optimizer(model, cfg)
+    scaler = policy.scaler()
+    start, data = 0, DataStream(loader)
+    latest = latest_checkpoint(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+    if latest is not None:
+        state = load_checkpoint(latest, model, optimizer, scaler)
+        start, data = state["step"], DataStream(loader, **state["data"])
+    history = []
+    bar = tqdm(range(start, cfg.steps), desc="train", disable=not cfg.progress, initial=start, total=cfg.steps)
+    for step in bar:
+        lr = lr_at(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        micro = [as_batch(next(data), device) for _ in range(cfg.accum_steps)]
+        with bench.stopwatch(device) as elapsed:
+            metrics = train_step(step_model, optimizer, micro, policy, scaler, cfg.grad_clip)
+        record = {"step": step + 1, "lr": lr, **metrics, "seconds": elapsed.seconds,
+                  "tokens_per_s": metrics["tokens"] / elapsed.seconds, "memory_bytes": _memory_bytes(device)}
+        history.append(record)
+        if cfg.log_path:
+            bench.log_result(cfg.log_path, {"event": "train_step", **record})
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}", lr=f"{lr:.2e}")
+        done = step + 1 == cfg.steps
+        if cfg.checkpoint_dir and (done or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)):
+            save_checkpoint(cfg.checkpoint_dir, model, optimizer, scaler, step + 1, data.state(), cfg)
+    return history

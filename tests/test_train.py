@@ -1,0 +1,199 @@
+"""The trainer: schedules, exact accumulation, precision policy, checkpoints, and resume after kill -9."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from labkit import precision, shards
+from labkit.bench import read_results
+from labkit.models import tiny_gpt2, tiny_llama
+from labkit.train import (TrainConfig, accumulate_gradients, as_batch, fit, latest_checkpoint, load_checkpoint,
+                          lr_at, make_optimizer, save_checkpoint, train_step)
+
+CPU = torch.device("cpu")
+FP32 = precision.policy("fp32", "cpu")
+
+
+def test_schedules():
+    cos = TrainConfig(steps=11, lr=1.0, min_lr=0.1, warmup_steps=2)
+    assert [lr_at(s, cos) for s in (0, 1)] == [0.5, 1.0]
+    assert lr_at(2, cos) == pytest.approx(1.0) and lr_at(10, cos) == pytest.approx(0.1)
+    assert lr_at(6, cos) == pytest.approx(0.55)  # half-way: the mean of lr and min_lr
+    lin = TrainConfig(steps=11, lr=1.0, min_lr=0.0, schedule="linear")
+    assert [round(lr_at(s, lin), 6) for s in (0, 5, 10)] == [1.0, 0.5, 0.0]
+    const = TrainConfig(steps=5, lr=0.3, schedule="constant", warmup_steps=1)
+    assert {lr_at(s, const) for s in range(5)} == {0.3}
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"accum_steps": 0}, "accumulation steps must be >= 1"),
+    ({"schedule": "step"}, "unknown schedule"),
+    ({"warmup_steps": 20}, "warmup_steps"),
+    ({"precision": "fp8"}, "unknown precision"),
+    ({"min_lr": 1.0}, "min_lr <= lr"),
+    ({"grad_clip": 0}, "grad_clip"),
+])
+def test_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(steps=10, **kwargs)
+
+
+def _variable_length_batch():
+    gen = torch.Generator().manual_seed(0)
+    docs = [torch.randint(2, 512, (n,), generator=gen).tolist() for n in (5, 31, 9, 17, 3, 28, 12, 22)]
+    return docs
+
+
+def _grads(model, micro, normalize="tokens"):
+    model.zero_grad(set_to_none=True)
+    accumulate_gradients(model, micro, FP32, normalize=normalize)
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def test_accumulation_equals_one_big_batch_with_padding():
+    model = tiny_llama()
+    docs = _variable_length_batch()
+    big = [as_batch(shards.pad_batch(docs, pad_id=1), CPU)]
+    micro = [as_batch(shards.pad_batch(docs[i : i + 2], pad_id=1), CPU) for i in range(0, 8, 2)]
+    reference = _grads(model, big)
+    assert torch.allclose(_grads(model, micro), reference, rtol=1e-5, atol=1e-7)
+    naive = _grads(model, micro, normalize="per_microbatch_mean")
+    assert (naive - reference).abs().max() > 100 * (_grads(model, micro) - reference).abs().max()
+
+
+def test_empty_window_and_bad_normalization_are_refused():
+    model = tiny_llama()
+    batch = as_batch(shards.pad_batch([[5]], pad_id=1), CPU)  # one token: nothing to predict
+    with pytest.raises(ValueError, match="no target tokens"):
+        accumulate_gradients(model, [batch], FP32)
+    with pytest.raises(ValueError, match="normalize"):
+        accumulate_gradients(model, [batch], FP32, normalize="mean")
+
+
+def test_weight_decay_only_on_matrices():
+    model = tiny_llama()
+    opt = make_optimizer(model, TrainConfig(steps=1, weight_decay=0.1))
+    decay, no_decay = opt.param_groups
+    assert all(p.ndim >= 2 for p in decay["params"]) and all(p.ndim == 1 for p in no_decay["params"])
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+
+
+def test_train_step_reports_pre_clip_norm_and_refuses_nan():
+    model = tiny_llama()
+    batch = as_batch((torch.randint(0, 512, (2, 8)), torch.randint(0, 512, (2, 8))), CPU)
+    opt = make_optimizer(model, TrainConfig(steps=1))
+    model.zero_grad()
+    accumulate_gradients(model, [batch], FP32)
+    expected = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item()
+    model.zero_grad(set_to_none=True)
+    metrics = train_step(model, opt, [batch], FP32, FP32.scaler(), grad_clip=1e-3)
+    assert metrics["grad_norm"] == pytest.approx(expected, rel=1e-4) and metrics["grad_norm"] > 1e-3
+    with torch.no_grad():
+        model.model.embed_tokens.weight[0, 0] = float("nan")
+    nan_batch = as_batch((torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long)), CPU)
+    with pytest.raises(FloatingPointError, match="non-finite loss"):
+        train_step(model, opt, [nan_batch], FP32, FP32.scaler(), grad_clip=1.0)
+
+
+def test_precision_policy_and_formats():
+    with pytest.raises(ValueError, match="use 'bf16'"):
+        precision.policy("fp16", "cpu")
+    with pytest.raises(ValueError, match="TF32 needs"):
+        precision.policy("tf32", "cpu")
+    bf16 = precision.policy("bf16", "cpu")
+    assert bf16.autocast_dtype == torch.bfloat16 and not bf16.use_scaler
+    facts = {f["format"]: f for f in map(precision.format_facts, (torch.float32, torch.float16, torch.bfloat16))}
+    assert facts["float16"]["max"] == 65504 and facts["float16"]["smallest subnormal"] == 2**-24
+    assert facts["bfloat16"]["epsilon"] == 2**-7 and facts["bfloat16"]["exponent bits"] == 8
+    assert facts["float32"]["mantissa bits"] == 23
+
+
+@pytest.fixture
+def data(tmp_path):
+    stream = (torch.arange(3000) * 7 % 128).numpy()  # a learnable pattern: each token determines the next
+    return shards.write_shards(stream, tmp_path / "data", 1000, vocab_size=128, tokenizer="t")
+
+
+def test_fit_learns_and_logs_bf16_on_cpu(data, tmp_path):
+    model = tiny_llama(vocab_size=128)
+    loader = shards.make_loader(data, block_size=16, batch_size=4)
+    log = tmp_path / "log.jsonl"
+    history = fit(model, loader, TrainConfig(steps=30, lr=1e-2, precision="bf16", log_path=str(log), progress=False))
+    assert history[-1]["loss"] < history[0]["loss"] - 1.0
+    assert all(math.isfinite(h["loss"]) and h["tokens"] == 64 for h in history)
+    assert [r["step"] for r in read_results(log)] == list(range(1, 31))
+
+
+def test_checkpoint_round_trip_and_errors(data, tmp_path):
+    model = tiny_gpt2(vocab_size=128)
+    cfg = TrainConfig(steps=4, checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=2, keep_checkpoints=1,
+                      progress=False)
+    fit(model, shards.make_loader(data, 16, 4), cfg)
+    assert [p.name for p in (tmp_path / "ck").iterdir()] == ["step_000004"]  # older ones pruned
+    path = latest_checkpoint(tmp_path / "ck")
+    fresh = tiny_gpt2(vocab_size=128, seed=9)
+    state = load_checkpoint(path, fresh)
+    assert state["step"] == 4 and state["data"] == {"epoch": 0, "index": 4}
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    with pytest.raises(ValueError, match=r"another model shape.*model \(256, 64\), checkpoint \(128, 64\)"):
+        load_checkpoint(path, tiny_gpt2(vocab_size=256))
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(ValueError, match="unusable.*truncated"):
+        load_checkpoint(path, fresh)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_checkpoint(tmp_path / "nope", fresh)
+
+
+SCRIPT = Path(__file__).parent / "scripts" / "train_tiny.py"
+
+
+def _run(work, log, delay=0.0):
+    cmd = [sys.executable, str(SCRIPT), str(work), str(log), "--delay", str(delay)]
+    return subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+
+
+@pytest.mark.slow
+def test_resume_after_kill_9_continues_the_exact_trajectory(tmp_path):
+    reference = tmp_path / "reference.jsonl"
+    assert _run(tmp_path / "a", reference).wait(timeout=300) == 0
+    expected = {r["step"]: r["loss"] for r in read_results(reference)}
+    assert len(expected) == 24
+
+    first = tmp_path / "killed.jsonl"
+    proc = _run(tmp_path / "b", first, delay=0.05)
+    deadline = time.time() + 240
+    while time.time() < deadline and (not first.exists() or len(read_results(first)) < 14):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = len(read_results(first))
+    assert 14 <= killed_at < 24, "the run must be killed mid-way"
+
+    resumed = tmp_path / "resumed.jsonl"
+    assert _run(tmp_path / "b", resumed).wait(timeout=300) == 0
+    after = {r["step"]: r["loss"] for r in read_results(resumed)}
+    assert min(after) == 4 * (killed_at // 4) + 1  # restarted right after the last checkpoint
+    assert after == {s: expected[s] for s in after}  # bit-identical losses
+    assert max(after) == 24
+
+
+def test_data_stream_rolls_over_epochs_and_restores_position(data):
+    from labkit.train import DataStream
+
+    loader = shards.make_loader(data, 16, 64, seed=2)  # 186 blocks: 3 batches per epoch
+    stream = DataStream(loader)
+    first = [next(stream)[0] for _ in range(5)]
+    assert stream.state() == {"epoch": 1, "index": 2}
+    again = DataStream(loader, epoch=1, index=1)
+    assert torch.equal(next(again)[0], first[4])
+    with pytest.raises(ValueError, match="no batches"):
+        next(DataStream([]))
