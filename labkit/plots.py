@@ -54,3 +54,20 @@ def plot_matmul_sweep(results: list[dict[str, Any]], title: str = "Matmul throug
     ax.legend()
     fig.tight_layout()
     return fig
+
+
+def plot_training(runs: dict[str, list[dict[str, Any]]], keys: tuple[str, ...] = ("loss", "lr", "grad_norm"),
+                  title: str = "Training"):
+    """One panel per metric (fit()'s per-step records), one line per run, against the step."""
+    import matplotlib.pyplot as plt
+
+    use_style()
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.6), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        for name, history in runs.items():
+            ax.plot([r["step"] for r in history], [r[key] for r in history], label=name)
+        ax.set(xlabel="step", title=key)
+    axes[0][0].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig

@@ -197,3 +197,11 @@ def test_data_stream_rolls_over_epochs_and_restores_position(data):
     assert torch.equal(next(again)[0], first[4])
     with pytest.raises(ValueError, match="no batches"):
         next(DataStream([]))
+
+
+def test_plot_training_draws_one_panel_per_metric():
+    from labkit.plots import plot_training
+
+    history = [{"step": i + 1, "loss": 5 - i, "lr": 0.1, "grad_norm": 1.0} for i in range(3)]
+    fig = plot_training({"a": history, "b": history}, keys=("loss", "lr"))
+    assert len(fig.axes) == 2 and len(fig.axes[0].lines) == 2
