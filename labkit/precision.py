@@ -63,8 +63,8 @@ def policy(mode: str, device: str | torch.device) -> Policy:
     dev = torch.device(device)
     cuda = dev.type == "cuda"
     if mode == "fp16" and not cuda:
-        raise ValueError("fp16 mixed precision with loss scaling is a GPU mode; on a CPU use 'bf16' (same speed "
-                         "or better where the CPU supports it, no scaler needed) or 'fp32'")
+        raise ValueError("fp16 mixed precision with loss scaling is a GPU mode; on a CPU use 'bf16' (same range as fp32, "
+                         "no loss scaler needed) or 'fp32'")
     if mode == "tf32" and not (cuda and torch.cuda.get_device_capability(dev)[0] >= 8):
         raise ValueError("TF32 needs an NVIDIA GPU of compute capability 8.0 (Ampere) or newer; use 'fp32' here")
     if mode == "bf16" and cuda and not torch.cuda.is_bf16_supported():

@@ -27,6 +27,9 @@ class Profile:
     batch_size: int  # blocks per batch
     loader_workers: tuple[int, ...]  # DataLoader worker counts compared in lab 01
     loader_batches: int  # batches timed per loader measurement
+    lm_hidden: int  # width of the small Llama trained from scratch in labs 02-03
+    lm_layers: int  # its depth
+    train_steps: int  # optimizer steps per training run in labs 02-03
 
 
 PROFILES: dict[str, Profile] = {
@@ -48,6 +51,9 @@ PROFILES: dict[str, Profile] = {
             batch_size=4,
             loader_workers=(0, 1),
             loader_batches=10,
+            lm_hidden=64,
+            lm_layers=2,
+            train_steps=8,
         ),
         Profile(
             name="cpu",
@@ -65,6 +71,9 @@ PROFILES: dict[str, Profile] = {
             batch_size=8,
             loader_workers=(0, 1, 2),
             loader_batches=100,
+            lm_hidden=256,
+            lm_layers=4,
+            train_steps=40,
         ),
         Profile(
             name="gpu",
@@ -82,6 +91,9 @@ PROFILES: dict[str, Profile] = {
             batch_size=16,
             loader_workers=(0, 2, 4, 8),
             loader_batches=200,
+            lm_hidden=768,
+            lm_layers=12,
+            train_steps=300,
         ),
     )
 }

@@ -35,6 +35,28 @@ def encode_texts(tokenizer, texts: Iterable[str]) -> list[list[int]]:
     return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short digest identifying a tokenizer (labkit BPE or a transformers fast tokenizer) for shard sidecars."""
+    import hashlib
+
+    from labkit.tokenizer import BPETokenizer
+
+    if isinstance(tokenizer, BPETokenizer):
+        return tokenizer.fingerprint
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise TypeError("need a labkit BPETokenizer or a transformers *fast* tokenizer")
+    return hashlib.sha256(backend.to_str().encode("utf-8")).hexdigest()[:16]
+
+
+def tokenize_to_shards(texts: Sequence[str], tokenizer, directory: str | Path, shard_tokens: int = 2**20) -> list[Path]:
+    """Tokenize documents into an EOS-separated stream and write it as shards tagged with the tokenizer."""
+    eos = tokenizer.special_ids["<|endoftext|>"] if hasattr(tokenizer, "special_ids") else tokenizer.eos_token_id
+    vocab = tokenizer.vocab_size if hasattr(tokenizer, "special_ids") else len(tokenizer)
+    stream = concat_with_separator(encode_texts(tokenizer, texts), eos)
+    return write_shards(stream, directory, shard_tokens, vocab_size=vocab, tokenizer=tokenizer_fingerprint(tokenizer))
+
+
 def concat_with_separator(docs: Sequence[Sequence[int]], eos_id: int) -> np.ndarray:
     """One token stream: each document followed by the end-of-text id (how pretraining data is laid out)."""
     if not docs:

@@ -141,3 +141,18 @@ def test_loader_checks_tokenizer_and_measures_throughput(shard_set):
         shards.make_loader(shard_set, 16, 4, tokenizer="other")
     result = shards.loader_throughput(shards.make_loader(shard_set, 16, 4), batches=5, device="cpu")
     assert result["tokens"] == 5 * 4 * 16 and result["tokens_per_s"] > 0
+
+
+def test_tokenize_to_shards_with_either_tokenizer(tmp_path, default_model):
+    from labkit.tokenizer import train_bpe
+
+    texts = ["first document here", "second one"]
+    _, hf = default_model
+    bpe = train_bpe(texts * 3, 270, progress=False)
+    for name, tok in (("hf", hf), ("bpe", bpe)):
+        paths = shards.tokenize_to_shards(texts, tok, tmp_path / name)
+        data = shards.open_shard(paths[0], tokenizer=shards.tokenizer_fingerprint(tok))
+        assert data[-1] == (bpe.special_ids["<|endoftext|>"] if name == "bpe" else hf.eos_token_id)
+    assert shards.tokenizer_fingerprint(hf) != shards.tokenizer_fingerprint(bpe)
+    with pytest.raises(TypeError, match="fast"):
+        shards.tokenizer_fingerprint(object())
