@@ -205,3 +205,38 @@ def test_plot_training_draws_one_panel_per_metric():
     history = [{"step": i + 1, "loss": 5 - i, "lr": 0.1, "grad_norm": 1.0} for i in range(3)]
     fig = plot_training({"a": history, "b": history}, keys=("loss", "lr"))
     assert len(fig.axes) == 2 and len(fig.axes[0].lines) == 2
+
+
+def test_activation_checkpointing_gives_the_same_losses(data):
+    def run(checkpointing):
+        loader = shards.make_loader(data, 16, 4)
+        cfg = TrainConfig(steps=3, activation_checkpointing=checkpointing, progress=False)
+        return [h["loss"] for h in fit(tiny_llama(vocab_size=128), loader, cfg)]
+
+    assert run(True) == pytest.approx(run(False), rel=1e-6)
+    with pytest.raises(ValueError, match="transformers model"):
+        fit(torch.nn.Linear(2, 2), [], TrainConfig(steps=1, activation_checkpointing=True, progress=False))
+
+
+@pytest.mark.slow
+def test_compiled_model_trains_like_eager(data):
+    def run(compiled):
+        cfg = TrainConfig(steps=2, compile=compiled, progress=False)
+        return [h["loss"] for h in fit(tiny_llama(vocab_size=128), shards.make_loader(data, 16, 4), cfg)]
+
+    assert run(True) == pytest.approx(run(False), rel=1e-4)
+
+
+def test_loss_scaler_skips_an_overflowing_step_instead_of_failing():
+    # fp16 autocast is a GPU mode; the scaler's skip logic is the same on CPU, so test it there.
+    scaled = precision.Policy(mode="fp16", device_type="cpu", autocast_dtype=None, use_scaler=True, tf32=False)
+    model = tiny_llama()
+    opt = make_optimizer(model, TrainConfig(steps=1))
+    with torch.no_grad():
+        model.model.embed_tokens.weight[0, 0] = float("inf")
+    before = [p.detach().clone() for p in model.parameters()]
+    batch = as_batch((torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long)), CPU)
+    scaler = scaled.scaler()
+    metrics = train_step(model, opt, [batch], scaled, scaler, grad_clip=1.0)
+    assert metrics["skipped"] and scaler.get_scale() < 2.0**16
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the step was skipped
