@@ -1,0 +1,226 @@
+"""Data parallelism on torch.distributed: a torchrun launcher a notebook can call, and data parallelism
+written from scratch (naive all-reduce, then bucketed and overlapped with backward) next to torch DDP.
+
+The same code runs on a laptop (gloo, CPU processes), a GPU node (NCCL) or many nodes under Slurm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+RESULT_ENV = "LABKIT_RESULT_DIR"
+
+
+class RankError(RuntimeError):
+    """A rank of a launched job failed; the message carries that rank's own traceback."""
+
+
+# ----------------------------------------------------------------------------- inside a rank
+
+
+def backend_for(device: torch.device) -> str:
+    """NCCL for CUDA tensors, gloo for CPU ones."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+@contextlib.contextmanager
+def rank_context() -> Iterator[tuple[int, int, torch.device]]:
+    """Inside a torchrun worker: init the process group, yield (rank, world_size, device), clean up.
+
+    An exception is written to the launcher's result directory before it propagates, so that
+    `launch` can report the rank's own error instead of torchrun's summary.
+    """
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend_for(device))
+    try:
+        yield rank, world, device
+    except BaseException:
+        out = os.environ.get(RESULT_ENV)
+        if out:
+            Path(out, f"error_rank{rank}.txt").write_text(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def save_result(result: dict[str, Any]) -> None:
+    """Write this rank's result (JSON) for the launcher to collect."""
+    out = os.environ.get(RESULT_ENV)
+    if out:
+        rank = int(os.environ.get("RANK", 0))
+        tmp = Path(out, f".result_rank{rank}.json")
+        tmp.write_text(json.dumps(result))
+        tmp.rename(Path(out, f"result_rank{rank}.json"))
+
+
+# ----------------------------------------------------------------------------- the launcher
+
+
+def launch(
+    script: str | Path, nproc: int = 2, args: list[str] | None = None, *, timeout: float = 300,
+    echo: Callable[[str], None] | None = print, env: dict[str, str] | None = None,
+) -> list[dict[str, Any]]:
+    """Run `script` under torchrun with `nproc` local processes; return each rank's saved result.
+
+    The log is streamed line by line to `echo`. If any rank fails, the whole job is stopped and a
+    RankError carries the first failing rank's traceback; past `timeout` seconds the job is killed,
+    so a hung rank never hangs the caller.
+    """
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    script = Path(script)
+    if not script.is_file():
+        raise FileNotFoundError(f"no such script: {script}")
+    with tempfile.TemporaryDirectory(prefix="labkit-launch-") as out:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(script), *(args or [])]
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            env={**os.environ, **(env or {}), RESULT_ENV: out, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
+        )
+        lines: list[str] = []
+
+        def pump() -> None:
+            for line in proc.stdout:
+                lines.append(line)
+                if echo:
+                    echo(line.rstrip("\n"))
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_tree(proc)
+            raise TimeoutError(f"{script.name} did not finish within {timeout:.0f} s and was killed; "
+                               "last output:\n" + "".join(lines[-20:])) from None
+        finally:
+            reader.join(timeout=5)
+        errors = sorted(Path(out).glob("error_rank*.txt"))
+        if errors:
+            raise RankError(f"{errors[0].stem.replace('error_', '')} of {script.name} failed:\n{errors[0].read_text()}")
+        if code != 0:
+            raise RankError(f"{script.name} exited with {code}; last output:\n" + "".join(lines[-30:]))
+        return [json.loads(p.read_text()) for p in sorted(Path(out).glob("result_rank*.json"),
+                                                             key=lambda p: int(p.stem.removeprefix("result_rank")))]
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """Kill torchrun and every worker: workers run in sessions of their own, so a process group is not enough."""
+    import psutil
+
+    try:
+        family = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
+    except psutil.NoSuchProcess:
+        family = []
+    for p in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(family, timeout=10)
+    proc.wait()
+
+
+# ----------------------------------------------------------------------------- data parallelism from scratch
+
+
+def all_reduce_gradients(model: nn.Module) -> None:
+    """The naive version: after backward, average every gradient across ranks, one all-reduce each."""
+    world = dist.get_world_size()
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+            p.grad /= world
+
+
+class BucketedDataParallel:
+    """Gradient all-reduce in buckets, started during backward as soon as a bucket's gradients are ready.
+
+    Parameters are bucketed in reverse order (the order backward produces their gradients); a hook on
+    each parameter marks it ready, and a full bucket is flattened and all-reduced asynchronously while
+    backward goes on computing earlier layers' gradients. `finish()` waits for the last transfers and
+    copies the averaged gradients back. This is the idea inside torch DDP, without its refinements.
+    """
+
+    def __init__(self, model: nn.Module, bucket_mb: float = 25.0):
+        if not dist.is_initialized():
+            raise RuntimeError("init the process group first (labkit.distributed.rank_context)")
+        self.model, self.world = model, dist.get_world_size()
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:  # start identical, as DDP does
+            dist.broadcast(p.data, src=0)
+        limit = bucket_mb * 2**20
+        self.buckets: list[list[nn.Parameter]] = [[]]
+        size = 0
+        for p in reversed(params):
+            if self.buckets[-1] and size + p.numel() * p.element_size() > limit:
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(p)
+            size += p.numel() * p.element_size()
+        self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self._pending: list[int] = [0] * len(self.buckets)
+        self._works: list[tuple[Any, torch.Tensor, int]] = []
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._ready)
+        self.reset()
+
+    def reset(self) -> None:
+        """Before each backward: no bucket has its gradients yet."""
+        self._pending = [len(b) for b in self.buckets]
+        self._works = []
+
+    def _ready(self, p: nn.Parameter) -> None:
+        i = self._bucket_of[id(p)]
+        self._pending[i] -= 1
+        if self._pending[i] == 0:  # the whole bucket is ready: send it while backward continues
+            flat = torch.cat([q.grad.flatten() for q in self.buckets[i]])
+            self._works.append((dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True), flat, i))
+
+    def finish(self) -> None:
+        """After backward: wait for every bucket and write the averaged gradients back."""
+        if any(self._pending):
+            raise RuntimeError("some parameters received no gradient in this backward; "
+                               "every parameter must take part (or be frozen)")
+        for work, flat, i in self._works:
+            work.wait()
+            flat /= self.world
+            offset = 0
+            for q in self.buckets[i]:
+                q.grad.copy_(flat[offset : offset + q.numel()].view_as(q.grad))
+                offset += q.numel()
+        self.reset()
+
+
+def time_all_reduce(numel: int, device: torch.device, repeats: int = 5) -> float:
+    """Median seconds for one all-reduce of `numel` fp32 values across the group (call on every rank)."""
+    x = torch.ones(numel, device=device)
+    times = []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        dist.all_reduce(x)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return sorted(times[1:])[len(times[1:]) // 2]

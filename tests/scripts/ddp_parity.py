@@ -1,0 +1,84 @@
+"""Under torchrun: torch DDP vs one process on the whole batch vs labkit's from-scratch data parallelism.
+
+    torchrun --nproc_per_node=2 tests/scripts/ddp_parity.py [--fail-rank R] [--hang-rank R]
+Runs in fp64 so that differences are bugs, not summation order.
+"""
+
+import argparse
+import copy
+import hashlib
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from labkit.distributed import BucketedDataParallel, all_reduce_gradients, rank_context, save_result
+from labkit.models import tiny_llama
+
+
+def loss_of(model, x):
+    logits = model(input_ids=x[:, :-1]).logits
+    return F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+
+
+def grads(model):
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--fail-rank", type=int, default=-1)
+    parser.add_argument("--hang-rank", type=int, default=-1)
+    args = parser.parse_args()
+    with rank_context() as (rank, world, device):
+        if rank == args.fail_rank:
+            raise ValueError(f"boom from rank {rank}")
+        if rank == args.hang_rank:
+            time.sleep(3600)  # a dead-locked rank: the launcher's timeout must end the job
+        base = tiny_llama(vocab_size=128, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                          intermediate_size=64, seed=0).double().to(device)
+        batch = torch.randint(0, 128, (2 * world, 17), generator=torch.Generator().manual_seed(1)).to(device)
+        mine = batch[rank * 2 : rank * 2 + 2]  # equal token counts per rank: mean of means = global mean
+
+        ref = copy.deepcopy(base)
+        loss_of(ref, batch).backward()
+
+        ddp = DDP(copy.deepcopy(base))
+        loss_of(ddp, mine).backward()
+
+        naive = copy.deepcopy(base)
+        loss_of(naive, mine).backward()
+        all_reduce_gradients(naive)
+
+        bucketed_model = copy.deepcopy(base)
+        bucketed = BucketedDataParallel(bucketed_model, bucket_mb=0.02)
+        loss_of(bucketed_model, mine).backward()
+        bucketed.finish()
+        result = {
+            "rank": rank, "world": world, "buckets": len(bucketed.buckets),
+            "ddp_vs_single_batch": (grads(ddp.module) - grads(ref)).abs().max().item(),
+            "naive_vs_ddp": (grads(naive) - grads(ddp.module)).abs().max().item(),
+            "bucketed_vs_ddp": (grads(bucketed_model) - grads(ddp.module)).abs().max().item(),
+        }
+
+        # A few AdamW steps with DDP: ranks must stay identical and match one process on the whole batch.
+        single = copy.deepcopy(base)
+        opt_ddp = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+        opt_single = torch.optim.AdamW(single.parameters(), lr=1e-2)
+        for step in range(5):
+            data = torch.randint(0, 128, (2 * world, 17), generator=torch.Generator().manual_seed(10 + step)).to(device)
+            for model, opt, x in ((ddp, opt_ddp, data[rank * 2 : rank * 2 + 2]), (single, opt_single, data)):
+                opt.zero_grad()
+                loss_of(model, x).backward()
+                opt.step()
+        params = torch.cat([p.detach().flatten() for p in ddp.module.parameters()])
+        save_result({
+            **result,
+            "params_after_steps_vs_single": (params - torch.cat([p.detach().flatten() for p in single.parameters()])).abs().max().item(),
+            "params_sha256": hashlib.sha256(params.cpu().numpy().tobytes()).hexdigest(),
+        })
+
+
+if __name__ == "__main__":
+    main()
