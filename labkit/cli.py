@@ -1,4 +1,4 @@
-"""Command line: `labkit doctor`, `labkit prepare`, `labkit profile`, `labkit lab`."""
+"""Command line: `labkit doctor`, `labkit prepare`, `labkit profile`, `labkit lab`, `labkit slurm`."""
 
 from __future__ import annotations
 
@@ -51,9 +51,23 @@ def _lab(args: argparse.Namespace) -> int:
     cmd = [jupyter, "lab", f"--ServerApp.root_dir={args.root}", "--LabApp.extension_manager=readonly"]
     if hasattr(os, "geteuid") and os.geteuid() == 0:  # containers and CI often run as root
         cmd.append("--allow-root")
-    cmd += args.jupyter_args
+    cmd += args.passthrough
     print("starting:", " ".join(cmd), flush=True)
     os.execv(jupyter, cmd)
+
+
+def _slurm(args: argparse.Namespace) -> int:
+    from labkit import assets
+    from labkit.distributed import slurm_script
+
+    text = slurm_script(args.script, nodes=args.nodes, gpus_per_node=args.gpus_per_node, args=args.passthrough,
+                        job_name=args.job_name, time_limit=args.time, partition=args.partition, account=args.account)
+    if args.output:
+        assets.atomic_write_text(args.output, text)
+        print(f"wrote {args.output}; submit it with: sbatch {args.output}")
+    else:
+        print(text, end="")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,10 +86,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--root", default=str(LABS_DIR if LABS_DIR.is_dir() else Path.cwd()),
                    help="folder to serve (default: the course's labs/, else the current folder)")
     p.set_defaults(func=_lab)
+    p = sub.add_parser("slurm", help="write an sbatch script running a labkit script under torchrun on N nodes")
+    p.add_argument("script", help="the training script (arguments after it go to the script)")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=1)
+    p.add_argument("--time", default="00:30:00", help="wall-clock limit, HH:MM:SS")
+    p.add_argument("--job-name", default="labkit")
+    p.add_argument("--partition")
+    p.add_argument("--account")
+    p.add_argument("--output", "-o", help="write the script here instead of printing it")
+    p.set_defaults(func=_slurm)
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command != "lab":
+    if extra and args.command not in ("lab", "slurm"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    args.jupyter_args = extra
+    args.passthrough = extra[1:] if extra[:1] == ["--"] else extra
     try:
         return args.func(args)
     except ValueError as err:

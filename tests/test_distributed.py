@@ -63,3 +63,37 @@ def test_launcher_checks_its_arguments(tmp_path):
 def test_backend_follows_the_device():
     assert distributed.backend_for(torch.device("cpu")) == "gloo"
     assert distributed.backend_for(torch.device("cuda", 0)) == "nccl"
+
+
+def test_slurm_script_runs_torchrun_with_rendezvous_on_every_node(tmp_path):
+    import subprocess
+
+    text = distributed.slurm_script("labs/scripts/ddp_train.py", nodes=2, gpus_per_node=4, args=["--steps", "100"],
+                                    partition="gpu", account="proj42", venv="/opt/course/.venv")
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=4",
+                 "#SBATCH --partition=gpu", "#SBATCH --account=proj42", "source /opt/course/.venv/bin/activate",
+                 "export HF_HUB_OFFLINE=1", "--nproc_per_node=4", "--rdzv_backend=c10d",
+                 '--rdzv_endpoint="$head_node:29500"', "labs/scripts/ddp_train.py --steps 100", "NCCL_SOCKET_IFNAME"):
+        assert line in text, line
+    path = tmp_path / "job.sbatch"
+    path.write_text(text)
+    assert subprocess.run(["bash", "-n", str(path)]).returncode == 0  # valid shell
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"nodes": 0}, "nodes >= 1"), ({"time_limit": "90 minutes"}, "HH:MM:SS"),
+    ({"job_name": "a b"}, "job_name"), ({"port": 80}, "port"),
+])
+def test_slurm_script_validates(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        distributed.slurm_script("train.py", **kwargs)
+
+
+def test_slurm_cli_writes_the_file(tmp_path, capsys):
+    from labkit import cli
+
+    out = tmp_path / "job.sbatch"
+    assert cli.main(["slurm", "train.py", "--nodes", "2", "--gpus-per-node", "8", "-o", str(out), "--", "--lr", "3e-4"]) == 0
+    text = out.read_text()
+    assert "--nproc_per_node=8" in text and "train.py --lr 3e-4" in text
+    assert "sbatch" in capsys.readouterr().out
