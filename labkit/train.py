@@ -22,6 +22,7 @@ from typing import Any, Iterable
 import numpy as np
 import psutil
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file, save_model
@@ -322,8 +323,21 @@ def _memory_bytes(device: torch.device) -> int:
     return psutil.Process().memory_info().rss
 
 
+def _data_parallel() -> tuple[int, int]:
+    """(rank, world size) of the initialized process group, else (0, 1)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 def fit(model: nn.Module, loader: Iterable, cfg: TrainConfig) -> list[dict[str, Any]]:
-    """Train for cfg.steps optimizer steps, resuming from cfg.checkpoint_dir's latest checkpoint if any."""
+    """Train for cfg.steps optimizer steps, resuming from cfg.checkpoint_dir's latest checkpoint if any.
+
+    Under torchrun (an initialized process group of several ranks) the model is wrapped in
+    DistributedDataParallel: give each rank its own shard of the data (make_loader's rank and
+    world_size); accumulation skips the all-reduce on all but the last micro-batch (no_sync), and
+    only rank 0 writes checkpoints and logs.
+    """
     device = next(model.parameters()).device
     policy = precision.policy(cfg.precision, device)
     torch.manual_seed(cfg.seed)
@@ -332,7 +346,13 @@ def fit(model: nn.Module, loader: Iterable, cfg: TrainConfig) -> list[dict[str, 
             raise ValueError("activation checkpointing needs a transformers model (gradient_checkpointing_enable)")
         model.gradient_checkpointing_enable()
     model.train()
-    step_model = torch.compile(model) if cfg.compile else model
+    rank, world = _data_parallel()
+    step_model = model
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        step_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    step_model = torch.compile(step_model) if cfg.compile else step_model
     optimizer = make_optimizer(model, cfg)
     scaler = policy.scaler()
     start, data = 0, DataStream(loader)
@@ -352,10 +372,13 @@ def fit(model: nn.Module, loader: Iterable, cfg: TrainConfig) -> list[dict[str, 
         record = {"step": step + 1, "lr": lr, **metrics, "seconds": elapsed.seconds,
                   "tokens_per_s": metrics["tokens"] / elapsed.seconds, "memory_bytes": _memory_bytes(device)}
         history.append(record)
-        if cfg.log_path:
+        if cfg.log_path and rank == 0:
             bench.log_result(cfg.log_path, {"event": "train_step", **record})
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", lr=f"{lr:.2e}")
         done = step + 1 == cfg.steps
         if cfg.checkpoint_dir and (done or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)):
-            save_checkpoint(cfg.checkpoint_dir, model, optimizer, scaler, step + 1, data.state(), cfg)
+            if rank == 0:
+                save_checkpoint(cfg.checkpoint_dir, model, optimizer, scaler, step + 1, data.state(), cfg)
+            if world > 1:
+                dist.barrier()  # no rank runs ahead of a checkpoint it may need to resume from
     return history
