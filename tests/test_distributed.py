@@ -9,7 +9,7 @@ import torch
 
 from labkit import distributed
 
-SCRIPT = Path(__file__).parent / "scripts" / "ddp_parity.py"
+SCRIPT = Path(__file__).parents[1] / "labs" / "scripts" / "dp_parity.py"
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_from_scratch_data_parallel_equals_torch_ddp(results):
 
 def test_a_failing_rank_ends_the_job_with_its_own_error():
     start = time.time()
-    with pytest.raises(distributed.RankError, match=r"rank1 of ddp_parity.py failed(.|\n)*ValueError: boom from rank 1"):
+    with pytest.raises(distributed.RankError, match=r"rank1 of dp_parity.py failed(.|\n)*ValueError: boom from rank 1"):
         distributed.launch(SCRIPT, nproc=2, args=["--fail-rank", "1"], echo=None, timeout=120)
     assert time.time() - start < 120
 

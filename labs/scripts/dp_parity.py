@@ -1,6 +1,6 @@
 """Under torchrun: torch DDP vs one process on the whole batch vs labkit's from-scratch data parallelism.
 
-    torchrun --nproc_per_node=2 tests/scripts/ddp_parity.py [--fail-rank R] [--hang-rank R]
+    torchrun --nproc_per_node=2 labs/scripts/dp_parity.py [--fail-rank R] [--hang-rank R]
 Runs in fp64 so that differences are bugs, not summation order.
 """
 

@@ -1,0 +1,25 @@
+"""Time one all-reduce per buffer size across the ranks of a torchrun job (gloo on CPU, NCCL on GPU).
+
+    torchrun --standalone --nproc_per_node=2 labs/scripts/allreduce_bench.py --megabytes 1 4 16 64
+"""
+
+import argparse
+
+from labkit.distributed import rank_context, save_result, time_all_reduce
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--megabytes", type=float, nargs="+", default=[0.25, 1, 4, 16, 64])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    with rank_context() as (rank, world, device):
+        rows = []
+        for mb in args.megabytes:
+            numel = int(mb * 2**20 / 4)  # fp32
+            rows.append({"bytes": numel * 4, "seconds": time_all_reduce(numel, device, args.repeats)})
+        save_result({"rank": rank, "world": world, "device": str(device), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
