@@ -92,6 +92,7 @@ def tiny_llama(
     intermediate_size: int = 128,
     max_position_embeddings: int = 256,
     seed: int = 0,
+    tie_word_embeddings: bool = True,
 ) -> nn.Module:
     """A randomly initialized Llama (SmolLM2's architecture, with grouped-query attention) for fast runs."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -104,7 +105,7 @@ def tiny_llama(
         num_key_value_heads=num_kv_heads,
         intermediate_size=intermediate_size,
         max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie_word_embeddings,
         bos_token_id=0,
         eos_token_id=1,
         pad_token_id=1,

@@ -1,0 +1,112 @@
+"""Pipeline parallelism: cut a Llama into stages, run GPipe or 1F1B with torch.distributed.pipelining,
+record when every stage computes which micro-batch, and measure the bubble against (p−1)/(m+p−1)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def bubble_formula(stages: int, microbatches: int) -> float:
+    """Idle share of a GPipe/1F1B pipeline with equal stage costs: (p − 1) / (m + p − 1)."""
+    if stages < 1 or microbatches < 1:
+        raise ValueError(f"need stages >= 1 and microbatches >= 1, got {stages}, {microbatches}")
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def layer_ranges(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """Contiguous, near-equal blocks of decoder layers, one per stage."""
+    if not 1 <= num_stages <= num_layers:
+        raise ValueError(f"cannot split {num_layers} layers into {num_stages} stages")
+    bounds = [round(i * num_layers / num_stages) for i in range(num_stages + 1)]
+    return list(zip(bounds, bounds[1:]))
+
+
+class LlamaStage(nn.Module):
+    """Decoder layers [start, end) of a transformers Llama; the first stage embeds, the last one predicts.
+
+    It takes and returns one tensor (token ids in, hidden states between stages, logits out), as
+    torch.distributed.pipelining needs, and recomputes the rotary position embeddings itself.
+    Attention is causal through SDPA (no mask), so sequences must be unpadded, packed blocks.
+    """
+
+    def __init__(self, model: nn.Module, stage: int, num_stages: int):
+        super().__init__()
+        if getattr(model.config, "tie_word_embeddings", False) and num_stages > 1:
+            raise ValueError("tied input/output embeddings would live on two stages; use an untied model "
+                             "(real pipelines all-reduce the tied gradient between first and last stage)")
+        start, end = layer_ranges(model.config.num_hidden_layers, num_stages)[stage]
+        self.first, self.last = stage == 0, stage == num_stages - 1
+        self.embed = model.model.embed_tokens if self.first else None
+        self.layers = nn.ModuleList(model.model.layers[start:end])
+        self.rotary = model.model.rotary_emb
+        self.norm = model.model.norm if self.last else None
+        self.head = model.lm_head if self.last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) if self.first else x
+        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0).expand(h.shape[0], -1)
+        rotary = self.rotary(h, position_ids=positions)
+        for layer in self.layers:
+            h = layer(h, attention_mask=None, position_ids=positions, position_embeddings=rotary)
+        return self.head(self.norm(h)) if self.last else h
+
+
+def record_events(stage: Any, rank: int) -> list[dict[str, Any]]:
+    """Wrap a PipelineStage so that each forward/backward of a micro-batch is timed; return the event list.
+
+    time.perf_counter reads the machine-wide monotonic clock on Linux, so events of all ranks of
+    one machine share a time axis.
+    """
+    events: list[dict[str, Any]] = []
+
+    def timed(kind: str, method):
+        def run(chunk_id, *args, **kwargs):
+            start = time.perf_counter()
+            out = method(chunk_id, *args, **kwargs)
+            events.append({"rank": rank, "kind": kind, "microbatch": chunk_id, "start": start, "end": time.perf_counter()})
+            return out
+        return run
+
+    stage.forward_one_chunk = timed("F", stage.forward_one_chunk)
+    stage.backward_one_chunk = timed("B", stage.backward_one_chunk)
+    return events
+
+
+def bubble_fraction(events: list[dict[str, Any]]) -> float:
+    """Measured idle share: 1 − (busy time summed over ranks) / (ranks × span from first start to last end)."""
+    if not events:
+        raise ValueError("no events recorded")
+    ranks = {e["rank"] for e in events}
+    span = max(e["end"] for e in events) - min(e["start"] for e in events)
+    busy = sum(e["end"] - e["start"] for e in events)
+    return 1 - busy / (len(ranks) * span)
+
+
+def plot_timeline(events: list[dict[str, Any]], title: str = "Pipeline timeline"):
+    """A Gantt chart per rank: forward (blue) and backward (orange) boxes labelled with the micro-batch."""
+    import matplotlib.pyplot as plt
+
+    from labkit.plots import use_style
+
+    use_style()
+    t0 = min(e["start"] for e in events)
+    ranks = sorted({e["rank"] for e in events})
+    fig, ax = plt.subplots(figsize=(8, 0.8 + 0.6 * len(ranks)))
+    for e in events:
+        color = "C0" if e["kind"] == "F" else "C1"
+        left, width = (e["start"] - t0) * 1e3, (e["end"] - e["start"]) * 1e3
+        ax.barh(e["rank"], width, left=left, color=color, edgecolor="white")
+        ax.text(left + width / 2, e["rank"], f"{e['kind']}{e['microbatch']}", ha="center", va="center",
+                fontsize=7, color="white")
+    ax.set_yticks(ranks, [f"stage {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set(xlabel="milliseconds", title=title)
+    ax.grid(axis="y", visible=False)
+    fig.tight_layout()
+    return fig

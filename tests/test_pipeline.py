@@ -1,0 +1,79 @@
+"""Pipeline parallelism: stages compose to the full model, both schedules match it on 2 gloo ranks,
+and the recorded timelines have the shape of their schedule."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from labkit import distributed, pipeline
+from labkit.models import tiny_llama
+
+SCRIPT = Path(__file__).parents[1] / "labs" / "scripts" / "pipeline_run.py"
+
+
+def test_bubble_formula():
+    assert pipeline.bubble_formula(1, 8) == 0
+    assert pipeline.bubble_formula(2, 1) == 0.5
+    assert pipeline.bubble_formula(4, 8) == pytest.approx(3 / 11)
+    with pytest.raises(ValueError):
+        pipeline.bubble_formula(2, 0)
+
+
+def test_layer_ranges_cover_every_layer_once():
+    ranges = pipeline.layer_ranges(30, 4)
+    assert ranges[0][0] == 0 and ranges[-1][1] == 30
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert max(e - s for s, e in ranges) - min(e - s for s, e in ranges) <= 1
+    with pytest.raises(ValueError, match="cannot split"):
+        pipeline.layer_ranges(2, 3)
+
+
+def test_stages_chained_equal_the_whole_model():
+    model = tiny_llama(num_layers=3, tie_word_embeddings=False)
+    x = torch.randint(0, 512, (2, 12))
+    h = x
+    for s in range(3):
+        h = pipeline.LlamaStage(model, s, 3)(h)
+    assert torch.allclose(h, model(input_ids=x).logits, atol=1e-5)
+    with pytest.raises(ValueError, match="tied"):
+        pipeline.LlamaStage(tiny_llama(), 0, 2)
+
+
+def test_bubble_fraction_of_a_known_timeline():
+    events = [{"rank": 0, "kind": "F", "microbatch": 0, "start": 0.0, "end": 1.0},
+              {"rank": 1, "kind": "F", "microbatch": 0, "start": 1.0, "end": 2.0}]
+    assert pipeline.bubble_fraction(events) == 0.5  # each rank busy 1 of 2 time units
+
+
+@pytest.fixture(scope="module", params=["gpipe", "1f1b"])
+def run(request):
+    res = distributed.launch(SCRIPT, nproc=2, args=["--schedule", request.param, "--microbatches", "4"],
+                             echo=None, timeout=240)
+    return request.param, res
+
+
+def test_schedule_matches_the_unsplit_model(run):
+    _, res = run
+    assert all(r["max_grad_diff"] < 1e-6 for r in res)
+    assert res[-1]["loss_diff"] < 1e-5  # the last stage computes the loss
+
+
+def test_timeline_has_the_shape_of_the_schedule(run):
+    schedule, res = run
+    for r in res:
+        assert sorted((e["kind"], e["microbatch"]) for e in r["events"]) == sorted(
+            (k, m) for k in "FB" for m in range(4))
+    first = sorted(res[0]["events"], key=lambda e: e["start"])
+    kinds = "".join(e["kind"] for e in first)
+    if schedule == "gpipe":
+        assert kinds == "FFFFBBBB"  # all forwards, then all backwards
+    else:
+        assert kinds.index("B") < kinds.rindex("F")  # 1F1B interleaves: a backward before the last forward
+    fig = pipeline.plot_timeline([e for r in res for e in r["events"]])
+    assert len(fig.axes[0].patches) == 16
+
+
+def test_1f1b_with_too_few_microbatches_is_refused():
+    with pytest.raises(distributed.RankError, match="at least as many micro-batches as stages"):
+        distributed.launch(SCRIPT, nproc=2, args=["--schedule", "1f1b", "--microbatches", "1"], echo=None, timeout=120)
