@@ -77,3 +77,12 @@ def test_timeline_has_the_shape_of_the_schedule(run):
 def test_1f1b_with_too_few_microbatches_is_refused():
     with pytest.raises(distributed.RankError, match="at least as many micro-batches as stages"):
         distributed.launch(SCRIPT, nproc=2, args=["--schedule", "1f1b", "--microbatches", "1"], echo=None, timeout=120)
+
+
+def test_tensor_parallel_mlp_equals_the_unsplit_one():
+    res = distributed.launch(SCRIPT.parent / "tensor_parallel.py", nproc=2, echo=None, timeout=120)
+    for r in res:
+        assert r["max_diff"] < 1e-5
+        assert r["shard_params"] < 0.51 * r["full_params"]  # each rank holds about half the weights
+    with pytest.raises(ValueError, match="does not split evenly"):
+        distributed.megatron_mlp_shard(torch.nn.Linear(4, 6), torch.nn.Linear(6, 4), 0, 4)
