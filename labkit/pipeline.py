@@ -88,6 +88,31 @@ def bubble_fraction(events: list[dict[str, Any]]) -> float:
     return 1 - busy / (len(ranks) * span)
 
 
+def max_in_flight(events: list[dict[str, Any]], rank: int) -> int:
+    """Most micro-batches whose forward had finished and backward had not, on one rank: what it must keep."""
+    marks = sorted([(e["end"], 1) for e in events if e["rank"] == rank and e["kind"] == "F"]
+                   + [(e["end"], -1) for e in events if e["rank"] == rank and e["kind"] == "B"])
+    held = peak = 0
+    for _, change in marks:
+        held += change
+        peak = max(peak, held)
+    return peak
+
+
+def saved_activation_bytes(module: nn.Module, *inputs: torch.Tensor) -> int:
+    """Bytes autograd saves for backward during one forward of `module` (storage counted once)."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(*inputs)
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    return sum(n for ptr, n in storages.items() if ptr not in params)  # weights are not activations
+
+
 def plot_timeline(events: list[dict[str, Any]], title: str = "Pipeline timeline"):
     """A Gantt chart per rank: forward (blue) and backward (orange) boxes labelled with the micro-batch."""
     import matplotlib.pyplot as plt

@@ -40,6 +40,22 @@ def test_stages_chained_equal_the_whole_model():
         pipeline.LlamaStage(tiny_llama(), 0, 2)
 
 
+def test_in_flight_counts_finished_forwards_minus_finished_backwards():
+    def ev(kind, m, t):
+        return {"rank": 0, "kind": kind, "microbatch": m, "start": t - 0.5, "end": t}
+
+    gpipe = [ev("F", 0, 1), ev("F", 1, 2), ev("F", 2, 3), ev("B", 0, 4), ev("B", 1, 5), ev("B", 2, 6)]
+    one_f_one_b = [ev("F", 0, 1), ev("F", 1, 2), ev("B", 0, 3), ev("F", 2, 4), ev("B", 1, 5), ev("B", 2, 6)]
+    assert pipeline.max_in_flight(gpipe, 0) == 3 and pipeline.max_in_flight(one_f_one_b, 0) == 2
+
+
+def test_saved_activation_bytes_grow_with_the_batch():
+    stage = pipeline.LlamaStage(tiny_llama(num_layers=2, tie_word_embeddings=False), 0, 2)
+    one = pipeline.saved_activation_bytes(stage, torch.randint(0, 512, (1, 16)))
+    two = pipeline.saved_activation_bytes(stage, torch.randint(0, 512, (2, 16)))
+    assert one > 0 and 1.8 < two / one < 2.2
+
+
 def test_bubble_fraction_of_a_known_timeline():
     events = [{"rank": 0, "kind": "F", "microbatch": 0, "start": 0.0, "end": 1.0},
               {"rank": 1, "kind": "F", "microbatch": 0, "start": 1.0, "end": 2.0}]
@@ -70,6 +86,8 @@ def test_timeline_has_the_shape_of_the_schedule(run):
         assert kinds == "FFFFBBBB"  # all forwards, then all backwards
     else:
         assert kinds.index("B") < kinds.rindex("F")  # 1F1B interleaves: a backward before the last forward
+    in_flight = pipeline.max_in_flight(res[0]["events"], 0)
+    assert in_flight == (4 if schedule == "gpipe" else 2)  # GPipe holds m micro-batches, 1F1B about p
     fig = pipeline.plot_timeline([e for r in res for e in r["events"]])
     assert len(fig.axes[0].patches) == 16
 

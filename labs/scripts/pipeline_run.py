@@ -13,7 +13,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from labkit.distributed import rank_context, save_result
 from labkit.models import tiny_llama
-from labkit.pipeline import LlamaStage, record_events
+from labkit.pipeline import LlamaStage, max_in_flight, record_events, saved_activation_bytes
 
 
 def main() -> None:
@@ -65,6 +65,12 @@ def main() -> None:
                         for n, p in model.named_parameters() if p.grad is not None)
         loss_diff = abs(torch.stack(losses).mean().item() - ref_loss.item()) if losses else None
 
+        # What one micro-batch leaves in memory for backward on this stage.
+        inputs = x[: args.microbatch_size] if rank == 0 else torch.randn(
+            args.microbatch_size, args.seq, args.hidden, device=device, requires_grad=True)
+        activation_bytes = saved_activation_bytes(stage_module, inputs)
+        model.zero_grad(set_to_none=True)
+
         events = record_events(stage, rank)
         for _ in range(args.steps):
             model.zero_grad(set_to_none=True)
@@ -72,7 +78,9 @@ def main() -> None:
             torch.distributed.barrier()
             step()
         save_result({"rank": rank, "world": world, "schedule": args.schedule, "microbatches": args.microbatches,
-                     "max_grad_diff": grad_diff, "loss_diff": loss_diff, "events": events})
+                     "max_grad_diff": grad_diff, "loss_diff": loss_diff, "events": events,
+                     "activation_bytes_per_microbatch": activation_bytes,
+                     "max_in_flight": max_in_flight(events, rank)})
 
 
 if __name__ == "__main__":
