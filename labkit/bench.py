@@ -76,14 +76,20 @@ def time_fn(
     repeats: int = 5,
     device: str | torch.device | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    before: Callable[[], Any] | None = None,
 ) -> Timing:
-    """Call `fn` `warmup` times untimed, then time `repeats` calls, syncing the device around each."""
+    """Call `fn` `warmup` times untimed, then time `repeats` calls, syncing the device around each.
+
+    `before`, if given, runs untimed before every timed call (e.g. a barrier that lines up ranks).
+    """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
+        if before is not None:
+            before()
         synchronize(device)
         start = clock()
         fn()

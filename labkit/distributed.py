@@ -13,7 +13,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -212,18 +211,10 @@ class BucketedDataParallel:
 
 def time_all_reduce(numel: int, device: torch.device, repeats: int = 5) -> float:
     """Median seconds for one all-reduce of `numel` fp32 values across the group (call on every rank)."""
+    from labkit.bench import time_fn
+
     x = torch.ones(numel, device=device)
-    times = []
-    for _ in range(repeats + 1):
-        dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        dist.all_reduce(x)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return sorted(times[1:])[len(times[1:]) // 2]
+    return time_fn(lambda: dist.all_reduce(x), warmup=1, repeats=repeats, device=device, before=dist.barrier).median
 
 
 # ----------------------------------------------------------------------------- many nodes: Slurm

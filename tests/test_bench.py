@@ -37,6 +37,14 @@ def test_stopwatch_syncs_at_both_ends(monkeypatch):
     assert elapsed.seconds == 2.5
 
 
+def test_time_fn_runs_before_untimed_ahead_of_each_repeat(monkeypatch):
+    events = []
+    monkeypatch.setattr(bench, "synchronize", lambda device=None: events.append("sync"))
+    clock = lambda: events.append("clock") or 0.0  # noqa: E731
+    bench.time_fn(lambda: events.append("fn"), warmup=1, repeats=1, clock=clock, before=lambda: events.append("barrier"))
+    assert events == ["fn", "barrier", "sync", "clock", "fn", "sync", "clock"]
+
+
 def test_time_fn_rejects_bad_counts():
     with pytest.raises(ValueError, match="repeats >= 1"):
         bench.time_fn(lambda: None, repeats=0)
