@@ -114,6 +114,13 @@ def tiny_llama(
     return LlamaForCausalLM(config).eval()
 
 
+def lab_llama(vocab_size: int, profile, seed: int = 0) -> nn.Module:
+    """The small Llama that labs 02-03 train from scratch: SmolLM2's shape, sized by the run profile."""
+    return tiny_llama(vocab_size=vocab_size, hidden_size=profile.lm_hidden, num_layers=profile.lm_layers,
+                      num_heads=4, num_kv_heads=2, intermediate_size=3 * profile.lm_hidden,
+                      max_position_embeddings=profile.block_size, seed=seed)
+
+
 def tiny_gpt2(
     vocab_size: int = 512,
     hidden_size: int = 64,

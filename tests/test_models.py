@@ -74,3 +74,14 @@ def test_load_tokenizer_alone_matches_load_model(default_model):
     alone = models.load_tokenizer("smollm2-135m")
     assert alone("Paris is a city.")["input_ids"] == tokenizer("Paris is a city.")["input_ids"]
     assert alone.vocab_size == 49152
+
+
+def test_lab_llama_is_sized_by_the_profile():
+    from labkit.profiles import PROFILES
+
+    model = models.lab_llama(1000, PROFILES["smoke"], seed=0)
+    cfg = model.config
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size, cfg.max_position_embeddings) == (
+        PROFILES["smoke"].lm_hidden, PROFILES["smoke"].lm_layers, 3 * PROFILES["smoke"].lm_hidden,
+        PROFILES["smoke"].block_size)
+    assert cfg.num_key_value_heads == 2 and cfg.vocab_size == 1000
