@@ -70,6 +70,14 @@ def load_model(
     return model.eval(), tokenizer
 
 
+def save_model(model: nn.Module, tokenizer: PreTrainedTokenizerBase, dest: str | Path) -> Path:
+    """save_pretrained (safetensors) model and tokenizer into `dest` atomically: load_model(dest) reloads it."""
+    with assets.atomic_directory(dest) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    return Path(dest)
+
+
 def load_tokenizer(name: str = DEFAULT_MODEL, *, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """Only the tokenizer of an offline name, a local path or a Hub id (no weights are loaded)."""
     from transformers import AutoTokenizer

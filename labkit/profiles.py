@@ -30,6 +30,12 @@ class Profile:
     lm_hidden: int  # width of the small Llama trained from scratch in labs 02-03
     lm_layers: int  # its depth
     train_steps: int  # optimizer steps per training run in labs 02-03
+    prune_sparsities: tuple[float, ...]  # unstructured sparsities swept in lab 06
+    prune_ratios: tuple[float, ...]  # shares of MLP channels removed by structured pruning (lab 06)
+    sensitivity_documents: int  # validation documents scored per sensitivity probe (lab 06)
+    finetune_block_size: int  # tokens per block when fine-tuning the default model (labs 06-08)
+    finetune_batch_size: int  # blocks per fine-tuning batch
+    finetune_steps: int  # optimizer steps of a fine-tuning run
 
 
 PROFILES: dict[str, Profile] = {
@@ -54,6 +60,12 @@ PROFILES: dict[str, Profile] = {
             lm_hidden=64,
             lm_layers=2,
             train_steps=8,
+            prune_sparsities=(0.0, 0.5, 0.9),
+            prune_ratios=(0.2,),
+            sensitivity_documents=1,
+            finetune_block_size=64,
+            finetune_batch_size=2,
+            finetune_steps=2,
         ),
         Profile(
             name="cpu",
@@ -74,6 +86,12 @@ PROFILES: dict[str, Profile] = {
             lm_hidden=256,
             lm_layers=4,
             train_steps=40,
+            prune_sparsities=(0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9),
+            prune_ratios=(0.1, 0.2, 0.3),
+            sensitivity_documents=8,
+            finetune_block_size=128,
+            finetune_batch_size=4,
+            finetune_steps=40,
         ),
         Profile(
             name="gpu",
@@ -94,6 +112,12 @@ PROFILES: dict[str, Profile] = {
             lm_hidden=768,
             lm_layers=12,
             train_steps=300,
+            prune_sparsities=(0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9),
+            prune_ratios=(0.1, 0.2, 0.3, 0.4),
+            sensitivity_documents=64,
+            finetune_block_size=512,
+            finetune_batch_size=8,
+            finetune_steps=300,
         ),
     )
 }
