@@ -7,7 +7,6 @@ Target: the trainer costs at most 3 % more time per step.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
@@ -50,11 +49,9 @@ def main() -> None:
     def trainer() -> None:
         fit(model(), batches, cfg)
 
-    times = {"bare loop": [], "labkit.train.fit": []}
-    for _ in range(args.repeats):  # interleaved, so drift in machine load hits both alike
-        for name, fn in (("bare loop", bare), ("labkit.train.fit", trainer)):
-            times[name].append(bench.time_fn(fn, warmup=0, repeats=1, device=device).median)
-    med = {k: statistics.median(v) / args.steps for k, v in times.items()}
+    timings = bench.time_interleaved({"bare loop": bare, "labkit.train.fit": trainer}, warmup=0,
+                                     repeats=args.repeats, device=device)
+    med = {k: t.median / args.steps for k, t in timings.items()}
     overhead = med["labkit.train.fit"] / med["bare loop"] - 1
     print(f"{args.steps} steps of GPT-2 (4 x 256, vocab 2000), batch 8 x 128, on {bench.device_name(device)}")
     for name, t in med.items():

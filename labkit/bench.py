@@ -98,6 +98,28 @@ def time_fn(
     return Timing(times=times, warmup=warmup)
 
 
+def time_interleaved(
+    fns: dict[str, Callable[[], Any]],
+    *,
+    warmup: int = 2,
+    repeats: int = 5,
+    device: str | torch.device | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, Timing]:
+    """Time several functions side by side: each round times each once, so drift in machine load hits all alike."""
+    if not fns or repeats < 1 or warmup < 0:
+        raise ValueError(f"need functions to time, repeats >= 1 and warmup >= 0, got {len(fns)} functions, "
+                         f"repeats={repeats}, warmup={warmup}")
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            times[name] += time_fn(fn, warmup=0, repeats=1, device=device, clock=clock).times
+    return {name: Timing(times=t, warmup=warmup) for name, t in times.items()}
+
+
 @dataclass
 class Elapsed:
     """Seconds taken by a `stopwatch` block (filled in when the block ends)."""

@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save
 from torch import nn
 
 from labkit import assets
+from labkit.train import DataStream, TrainConfig, fit
 
 SCOPES = ("layer", "global")
 
@@ -271,16 +272,14 @@ def sensitivity(
 
 
 def prune_and_recover(
-    model: nn.Module, loader: Iterable, sparsities: Sequence[float], train: Any, *,
+    model: nn.Module, loader: Iterable, sparsities: Sequence[float], train: TrainConfig, *,
     score: Callable[[nn.Module], float], scope: str = "global", **selection: Any,
 ) -> list[dict[str, Any]]:
     """Gradual magnitude pruning: for each sparsity in turn, prune, score, fine-tune with the masks held, score.
 
-    `train` is a labkit.train.TrainConfig for each round; the rounds draw successive batches from
-    one pass over `loader`. Returns one record per round (sparsity counted from the zeros).
+    `train` configures each round's fine-tune; the rounds draw successive batches from one pass
+    over `loader`. Returns one record per round (sparsity counted from the zeros).
     """
-    from labkit.train import DataStream, fit
-
     if list(sparsities) != sorted(sparsities):
         raise ValueError(f"sparsities must not decrease from round to round, got {list(sparsities)}")
     if train.checkpoint_dir:
@@ -475,6 +474,24 @@ def semi_structured_support(device: str | torch.device | None = None) -> str | N
     if major < 8:
         return f"2:4 sparse kernels need compute capability 8.0 (Ampere) or newer; this GPU has {major}.{minor}"
     return None
+
+
+def to_semi_structured(model: nn.Module, **selection: Any) -> int:
+    """Swap every selected 2:4-sparse fp16/bf16 weight for a torch.sparse semi-structured tensor (inference, GPU)."""
+    from torch.sparse import to_sparse_semi_structured
+
+    reason = semi_structured_support(next(model.parameters()).device)
+    if reason:
+        raise RuntimeError(reason)
+    weights = prunable_weights(model, **selection)
+    wrong = [n for n, w in weights.items() if w.dtype not in (torch.float16, torch.bfloat16) or not is_nm_sparse(w)]
+    if wrong:
+        raise ValueError(f"{len(wrong)} weights are not 2:4-sparse fp16/bf16 (e.g. {wrong[:2]}): "
+                         "cast the model with .half() and run nm_prune(model, 2, 4) first")
+    modules = dict(model.named_modules())
+    for name, w in weights.items():
+        modules[name].weight = nn.Parameter(to_sparse_semi_structured(w.detach()), requires_grad=False)
+    return len(weights)
 
 
 def semi_structured_speedup(

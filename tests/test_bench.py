@@ -45,6 +45,17 @@ def test_time_fn_runs_before_untimed_ahead_of_each_repeat(monkeypatch):
     assert events == ["fn", "barrier", "sync", "clock", "fn", "sync", "clock"]
 
 
+def test_time_interleaved_alternates_the_functions_and_keeps_their_times_apart():
+    calls = []
+    ticks = iter([0.0, 1.0, 1.0, 3.0, 3.0, 4.0, 4.0, 7.0])  # a 1 s, b 2 s, a 1 s, b 3 s
+    t = bench.time_interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
+                               warmup=1, repeats=2, clock=lambda: next(ticks))
+    assert calls == ["a", "b", "a", "b", "a", "b"]  # warm-up of each, then alternating rounds
+    assert (t["a"].times, t["b"].times, t["b"].median) == ([1.0, 1.0], [2.0, 3.0], 2.5)
+    with pytest.raises(ValueError, match="repeats >= 1"):
+        bench.time_interleaved({"a": lambda: None}, repeats=0)
+
+
 def test_time_fn_rejects_bad_counts():
     with pytest.raises(ValueError, match="repeats >= 1"):
         bench.time_fn(lambda: None, repeats=0)

@@ -338,6 +338,8 @@ def test_semi_structured_kernels_report_why_they_cannot_run_here():
     assert "NVIDIA GPUs only" in prune.semi_structured_support("cpu")
     with pytest.raises(RuntimeError, match="NVIDIA GPUs only"):
         prune.semi_structured_speedup(128, 128, 64, device="cpu")
+    with pytest.raises(RuntimeError, match="NVIDIA GPUs only"):
+        prune.to_semi_structured(_model())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or prune.semi_structured_support("cuda") is not None,
@@ -345,3 +347,17 @@ def test_semi_structured_kernels_report_why_they_cannot_run_here():
 def test_semi_structured_linear_matches_dense():
     result = prune.semi_structured_speedup(1024, 1024, 256, repeats=3)
     assert result["max_abs_error"] < 0.5 and result["speedup"] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or prune.semi_structured_support("cuda") is not None,
+                    reason="needs an Ampere-or-newer NVIDIA GPU")
+def test_semi_structured_model_matches_its_dense_2_4_twin():
+    model = tiny_llama(vocab_size=128, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)
+    model = model.half().cuda()
+    with pytest.raises(ValueError, match="not 2:4-sparse"):
+        prune.to_semi_structured(model)
+    prune.nm_prune(model, 2, 4, permanent=True)
+    ids = IDS.cuda()
+    expected = _logits(model, ids)
+    assert prune.to_semi_structured(model) == 14
+    torch.testing.assert_close(_logits(model, ids), expected, rtol=2e-2, atol=2e-2)
