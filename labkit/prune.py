@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save
 from torch import nn
 
-from labkit import assets
+from labkit import assets, bench
 from labkit.train import DataStream, TrainConfig, fit
 
 SCOPES = ("layer", "global")
@@ -501,8 +501,6 @@ def semi_structured_speedup(
     """Time one 2:4-pruned linear layer dense and as a torch.sparse semi-structured tensor (medians)."""
     from torch.sparse import to_sparse_semi_structured
 
-    from labkit import bench
-
     reason = semi_structured_support(device)
     if reason:
         raise RuntimeError(reason)
@@ -512,7 +510,8 @@ def semi_structured_speedup(
     x = torch.randn(tokens, in_features, device=device, dtype=dtype)
     sparse = to_sparse_semi_structured(weight)
     error = (torch.nn.functional.linear(x, sparse) - torch.nn.functional.linear(x, weight)).abs().max().item()
-    dense_t = bench.time_fn(lambda: torch.nn.functional.linear(x, weight), warmup=warmup, repeats=repeats, device=device)
-    sparse_t = bench.time_fn(lambda: torch.nn.functional.linear(x, sparse), warmup=warmup, repeats=repeats, device=device)
-    return {"dense_s": dense_t.median, "sparse_s": sparse_t.median, "speedup": dense_t.median / sparse_t.median,
-            "max_abs_error": error}
+    t = bench.time_interleaved({"dense": lambda: torch.nn.functional.linear(x, weight),
+                                "sparse": lambda: torch.nn.functional.linear(x, sparse)},
+                               warmup=warmup, repeats=repeats, device=device)
+    return {"dense_s": t["dense"].median, "sparse_s": t["sparse"].median,
+            "speedup": t["dense"].median / t["sparse"].median, "max_abs_error": error}
