@@ -277,8 +277,8 @@ def prune_and_recover(
 ) -> list[dict[str, Any]]:
     """Gradual magnitude pruning: for each sparsity in turn, prune, score, fine-tune with the masks held, score.
 
-    `train` configures each round's fine-tune; the rounds draw successive batches from one pass
-    over `loader`. Returns one record per round (sparsity counted from the zeros).
+    `train` configures each round's fine-tune; the rounds draw successive batches from one stream
+    over `loader`, epoch after epoch. Returns one record per round (sparsity counted from the zeros).
     """
     if list(sparsities) != sorted(sparsities):
         raise ValueError(f"sparsities must not decrease from round to round, got {list(sparsities)}")
