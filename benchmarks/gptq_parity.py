@@ -1,0 +1,84 @@
+"""labkit's GPTQ against GPTQModel on the default model, side by side in one run: same calibration blocks,
+bits, group size, damping and column order. Reports perplexity (both scored by the same fp32 code after
+dequantization, and GPTQModel's checkpoint also through its own kernel via transformers), wall time
+(quantize + save, each tool), and the share of RTN's perplexity loss that GPTQ wins back.
+
+    python benchmarks/gptq_parity.py [--bits 4] [--group-size 64] [--blocks 32] [--block-size 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from labkit import bench, evaluate, quant
+from labkit.data import load_corpus
+from labkit.models import load_model
+from labkit.profiles import get_profile
+
+
+def main() -> None:
+    profile = get_profile()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bits", type=int, default=4)
+    parser.add_argument("--group-size", type=int, default=64)
+    parser.add_argument("--damp", type=float, default=0.01)
+    parser.add_argument("--blocks", type=int, default=profile.calibration_blocks)
+    parser.add_argument("--block-size", type=int, default=profile.calibration_block_size)
+    parser.add_argument("--documents", type=int, default=profile.eval_documents)
+    parser.add_argument("--log", default="results/benchmarks.jsonl")
+    args = parser.parse_args()
+    if not quant.gptqmodel_available():
+        raise SystemExit("GPTQModel and optimum are needed: pip install -e '.[gptq]' (see README)")
+
+    model, tok = load_model()
+    cfg = quant.QuantConfig(bits=args.bits, group_size=args.group_size, damp=args.damp)
+    calib = quant.calibration_blocks(tok, load_corpus("wiki", "train"), args.blocks, args.block_size)
+    texts = load_corpus("wiki", "validation")[: args.documents]
+    ppl = lambda m: evaluate.perplexity(m, tok, texts, max_length=profile.eval_max_length,  # noqa: E731
+                                        progress=False).perplexity
+    print(f"{cfg.label()}, damp {cfg.damp}, {calib.numel()} calibration tokens ({args.blocks} x {args.block_size}), "
+          f"{len(texts)} validation articles, {bench.device_name()}")
+    results = {"fp32": {"ppl": ppl(model)}}
+    rtn = quant.quantize_model(model, cfg, method="rtn", progress=False)
+    results["rtn"] = {"ppl": ppl(rtn.model), "seconds": rtn.seconds}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        start = time.perf_counter()
+        ours = quant.quantize_model(model, cfg, calib, progress=False)
+        quant.save_gptq(ours, tok, tmp / "labkit")
+        results["labkit"] = {"ppl": ppl(ours.model), "seconds": time.perf_counter() - start}
+        del ours
+        model.save_pretrained(tmp / "fp32")
+        tok.save_pretrained(tmp / "fp32")
+        start = time.perf_counter()
+        quant.quantize_with_gptqmodel(tmp / "fp32", calib, cfg, tmp / "gptqmodel")
+        seconds = time.perf_counter() - start
+        theirs = quant.load_gptq(tmp / "gptqmodel")
+        results["gptqmodel"] = {"ppl": ppl(theirs.model), "seconds": seconds,
+                                "ppl_own_kernel": ppl(quant.load_with_transformers(tmp / "gptqmodel"))}
+
+    fp, r, ours, theirs = (results[k]["ppl"] for k in ("fp32", "rtn", "labkit", "gptqmodel"))
+    summary = {
+        "ppl_ratio_labkit_over_gptqmodel": ours / theirs,
+        "time_ratio_labkit_over_gptqmodel": results["labkit"]["seconds"] / results["gptqmodel"]["seconds"],
+        "rtn_loss_recovered_labkit": (r - ours) / (r - fp),
+        "rtn_loss_recovered_gptqmodel": (r - theirs) / (r - fp),
+    }
+    for name, res in results.items():
+        extra = f", {res['seconds']:.0f} s" if "seconds" in res else ""
+        own = f" (own kernel: {res['ppl_own_kernel']:.2f})" if "ppl_own_kernel" in res else ""
+        print(f"{name:>10}: perplexity {res['ppl']:.2f}{own}{extra}")
+    for key, value in summary.items():
+        print(f"{key}: {value:.3f}")
+    bench.log_result(args.log, {"benchmark": "gptq_parity", "config": cfg.label(), "damp": cfg.damp,
+                                "calibration_tokens": calib.numel(), "documents": len(texts),
+                                "results": results, **summary})
+
+
+if __name__ == "__main__":
+    main()

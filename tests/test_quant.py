@@ -1,0 +1,357 @@
+"""labkit.quant: RTN and GPTQ on single layers and whole models, GPTQ packing, checkpoints, parity."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from labkit import quant
+from labkit.models import tiny_llama
+from labkit.quant import QuantConfig
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def correlated_inputs(n: int, dim: int, seed: int = 0) -> torch.Tensor:
+    """Inputs with strongly correlated features, as real activations have (where GPTQ beats RTN)."""
+    g = torch.Generator().manual_seed(seed)
+    factors = torch.randn(n, dim // 4, generator=g) @ torch.randn(dim // 4, dim, generator=g)
+    return factors + 0.1 * torch.randn(n, dim, generator=g)
+
+
+def hessian_of(x: torch.Tensor) -> torch.Tensor:
+    return 2 * x.T @ x / x.shape[0]
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+@pytest.mark.parametrize("kwargs", [{"bits": 5}, {"bits": 1}, {"group_size": 0}, {"group_size": -2},
+                                    {"damp": 1.0}, {"damp": -0.1}, {"block_size": 0}])
+def test_config_rejects_bad_values(kwargs):
+    with pytest.raises(ValueError):
+        QuantConfig(**kwargs)
+
+
+def test_group_size_must_divide_the_input_width():
+    with pytest.raises(ValueError, match=r"does not divide in_features 576.*\[16, 32, 64\]"):
+        QuantConfig(group_size=128).width(576)
+    assert QuantConfig(group_size=64).width(576) == 64
+    assert QuantConfig(group_size=-1).width(576) == 576
+
+
+# ----------------------------------------------------------------------------- round to nearest
+
+
+def test_rtn_on_a_hand_checked_row():
+    w = torch.tensor([[-1.0, 0.0, 1.0, 2.0]])
+    q = quant.quantize_rtn(w, QuantConfig(bits=2, group_size=-1, sym=False))
+    assert q.scales.tolist() == [[1.0]] and q.zeros.tolist() == [[1]]
+    assert q.codes.tolist() == [[0, 1, 2, 3]]
+    assert torch.equal(q.dequantize(), w)
+
+
+@pytest.mark.parametrize("bits", quant.BITS)
+@pytest.mark.parametrize("group_size", [16, -1])
+def test_rtn_error_is_at_most_half_a_step_on_an_asymmetric_grid(bits, group_size):
+    w = torch.randn(8, 64, generator=torch.Generator().manual_seed(bits))
+    q = quant.quantize_rtn(w, QuantConfig(bits=bits, group_size=group_size, sym=False))
+    assert int(q.codes.max()) <= 2**bits - 1
+    step = q.scales[q.g_idx.long()].T
+    assert ((w - q.dequantize()).abs() <= step / 2 + 1e-6).all()
+    assert q.scales.shape == (64 // (group_size if group_size > 0 else 64), 8)
+
+
+def test_rtn_symmetric_zero_point_is_the_middle_code():
+    q = quant.quantize_rtn(torch.randn(4, 32), QuantConfig(bits=4, group_size=16, sym=True))
+    assert (q.zeros == 8).all()
+
+
+def test_rtn_rejects_non_finite_weights():
+    w = torch.randn(4, 32)
+    w[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        quant.quantize_rtn(w, QuantConfig(group_size=16))
+
+
+# ----------------------------------------------------------------------------- GPTQ on one layer
+
+
+@pytest.mark.parametrize("group_size", [16, -1])
+def test_gptq_with_a_diagonal_hessian_is_round_to_nearest(group_size):
+    """No correlation between inputs: no error to propagate, so GPTQ must reduce to RTN exactly."""
+    w = torch.randn(16, 64)
+    h = torch.diag(torch.rand(64) + 0.5)
+    cfg = QuantConfig(bits=3, group_size=group_size, block_size=32)
+    assert torch.equal(quant.gptq_quantize(w, h, cfg).codes, quant.quantize_rtn(w, cfg).codes)
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_beats_rtn_on_correlated_inputs(bits, act_order):
+    w = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
+    x = correlated_inputs(512, 64)
+    h = hessian_of(x)
+    cfg = QuantConfig(bits=bits, group_size=16, act_order=act_order, block_size=32)
+    gptq = quant.gptq_quantize(w, h, cfg).dequantize()
+    rtn = quant.quantize_rtn(w, cfg).dequantize()
+    out_err = lambda wq: ((x @ (w - wq).T) ** 2).sum() / ((x @ w.T) ** 2).sum()  # noqa: E731
+    assert out_err(gptq) < 0.8 * out_err(rtn)
+    assert quant.hessian_error(w, gptq, h) == pytest.approx(float(out_err(gptq)), rel=1e-3)
+
+
+def test_gptq_act_order_groups_are_full_and_consistent():
+    w = torch.randn(8, 64)
+    h = hessian_of(correlated_inputs(256, 64))
+    q = quant.gptq_quantize(w, h, QuantConfig(bits=4, group_size=16, act_order=True))
+    assert sorted(torch.bincount(q.g_idx.long()).tolist()) == [16, 16, 16, 16]
+    assert not torch.equal(q.g_idx, torch.arange(64, dtype=torch.int32) // 16)  # columns were reordered
+    back = quant.unpack_weight(quant.pack_weight(q), 4, 64)
+    assert torch.equal(back.dequantize(), q.dequantize())
+
+
+def test_gptq_dead_inputs_get_zero_weights():
+    w = torch.randn(8, 32)
+    x = correlated_inputs(128, 32)
+    x[:, 5] = 0
+    q = quant.gptq_quantize(w, hessian_of(x), QuantConfig(bits=4, group_size=16))
+    assert (q.dequantize()[:, 5] == 0).all()
+
+
+def test_gptq_singular_hessian_without_damping_is_a_clear_error():
+    x = correlated_inputs(8, 32)  # 8 tokens cannot span 32 dimensions
+    with pytest.raises(ValueError, match="not positive definite"):
+        quant.gptq_quantize(torch.randn(4, 32), hessian_of(x), QuantConfig(group_size=16, damp=0.0))
+
+
+def test_gptq_rejects_a_hessian_of_the_wrong_shape():
+    with pytest.raises(ValueError, match=r"hessian must be \[32, 32\]"):
+        quant.gptq_quantize(torch.randn(4, 32), torch.eye(16), QuantConfig(group_size=16))
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+def bitstream_reference(values: list[int], bits: int) -> list[int]:
+    """Pack with Python integers: value k at bits [k*bits, (k+1)*bits), then cut into signed 32-bit words."""
+    stream = sum(v << (bits * k) for k, v in enumerate(values))
+    words = [(stream >> (32 * i)) & 0xFFFFFFFF for i in range(len(values) * bits // 32)]
+    return [w - (1 << 32) if w >= 1 << 31 else w for w in words]
+
+
+@pytest.mark.parametrize("bits", quant.BITS)
+def test_pack_rows_matches_a_bitstream_and_round_trips(bits):
+    g = torch.Generator().manual_seed(bits)
+    values = torch.randint(0, 2**bits, (64, 3), generator=g)
+    packed = quant.pack_rows(values, bits)
+    assert packed.dtype == torch.int32 and packed.shape == (64 * bits // 32, 3)
+    for c in range(3):
+        assert packed[:, c].tolist() == bitstream_reference(values[:, c].tolist(), bits)
+    assert torch.equal(quant.unpack_rows(packed, bits, 64), values.to(torch.int32))
+
+
+def test_four_bit_packing_is_the_classic_eight_nibbles_per_word():
+    values = torch.arange(16).reshape(16, 1) % 16
+    packed = quant.pack_rows(values, 4)
+    assert packed[:, 0].tolist() == [0x76543210, 0xFEDCBA98 - (1 << 32)]
+
+
+def test_pack_rejects_values_out_of_range():
+    with pytest.raises(ValueError, match=r"\[0, 15\]"):
+        quant.pack_rows(torch.full((8, 1), 16), 4)
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_symmetric_zeros_are_stored_minus_one(sym):
+    q = quant.quantize_rtn(torch.randn(32, 64), QuantConfig(bits=4, group_size=32, sym=sym))
+    packed = quant.pack_weight(q)
+    if sym:  # zero 8 stored as 7 in every nibble: the familiar 0x77777777 of "gptq" v1 checkpoints
+        assert (packed["qzeros"] == 0x77777777).all()
+    back = quant.unpack_weight(packed, 4, 64)
+    assert torch.equal(back.zeros, q.zeros) and torch.equal(back.codes, q.codes)
+
+
+# ----------------------------------------------------------------------------- whole models
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def calibration():
+    return torch.randint(2, 512, (8, 64), generator=torch.Generator().manual_seed(0))
+
+
+def test_sequential_groups_follow_the_data_flow(tiny, calibration):
+    layers = quant.decoder_layers(tiny)
+    inputs, kwargs = quant._first_block_inputs(tiny, layers, calibration[:2], batch_size=2)
+    groups = quant._sequential_groups(layers[0], inputs[0], kwargs[0])
+    assert groups == [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
+                      ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
+
+
+def test_input_hessian_is_two_x_xt_over_n(tiny, calibration):
+    layers = quant.decoder_layers(tiny)
+    inputs, kwargs = quant._first_block_inputs(tiny, layers, calibration[:4], batch_size=2)
+    seen = []
+    down = layers[0].mlp.down_proj
+    handle = down.register_forward_pre_hook(lambda m, a: seen.append(a[0].reshape(-1, m.in_features)))
+    with torch.no_grad():
+        for x, kw in zip(inputs, kwargs):
+            layers[0](x, **kw)
+    handle.remove()
+    x = torch.cat(seen)
+    h, n = quant._input_hessian(layers[0], down, inputs, kwargs)
+    assert n == 4 * 64
+    torch.testing.assert_close(h, 2 * x.T @ x / n, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", quant.METHODS)
+def test_quantize_model_leaves_the_source_alone_and_quantizes_every_block_linear(tiny, calibration, method):
+    before = {k: v.clone() for k, v in tiny.state_dict().items()}
+    cfg = QuantConfig(bits=3, group_size=32)
+    qm = quant.quantize_model(tiny, cfg, calibration, method=method, progress=False)
+    assert all(torch.equal(before[k], v) for k, v in tiny.state_dict().items())
+    assert len(qm.weights) == len(qm.layers) == 2 * 7
+    for name, q in qm.weights.items():
+        weight = qm.model.get_submodule(name).weight
+        assert torch.equal(weight, q.dequantize())
+        assert len(torch.unique(weight[0, :32])) <= 2**3
+    assert torch.equal(qm.model.model.embed_tokens.weight, tiny.model.embed_tokens.weight)
+    if method == "gptq":
+        assert qm.calibration_tokens == calibration.numel()
+        assert sum(r.error for r in qm.layers) < sum(r.rtn_error for r in qm.layers)
+
+
+def test_quantize_model_inplace_changes_the_model():
+    model = tiny_llama()
+    original = model.model.layers[0].mlp.up_proj.weight.clone()
+    qm = quant.quantize_model(model, QuantConfig(bits=4, group_size=32), method="rtn", inplace=True, progress=False)
+    assert qm.model is model and not torch.equal(model.model.layers[0].mlp.up_proj.weight, original)
+
+
+def test_quantize_model_bad_input_is_caught_before_any_work(tiny, calibration):
+    with pytest.raises(ValueError, match="too few"):
+        quant.quantize_model(tiny, QuantConfig(group_size=32), calibration[:1, :16], progress=False)
+    with pytest.raises(ValueError, match="does not divide"):
+        quant.quantize_model(tiny, QuantConfig(group_size=48), calibration, progress=False)
+    with pytest.raises(ValueError, match="long tensor"):
+        quant.quantize_model(tiny, QuantConfig(group_size=32), calibration.float(), progress=False)
+    with pytest.raises(ValueError, match="method"):
+        quant.quantize_model(tiny, QuantConfig(group_size=32), calibration, method="awq")
+
+
+class CharTokenizer:
+    """One token per character (ids = code points), EOS = 0: enough for calibration_blocks."""
+
+    eos_token_id = 0
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+
+def test_calibration_blocks_are_deterministic_non_overlapping_windows():
+    texts = ["abcdefgh" * 5, "ijklmnop" * 5]  # 82 tokens with the two EOS
+    blocks = quant.calibration_blocks(CharTokenizer(), texts, n_blocks=3, block_size=16, seed=1)
+    assert blocks.shape == (3, 16) and blocks.dtype == torch.long
+    assert torch.equal(blocks, quant.calibration_blocks(CharTokenizer(), texts, 3, 16, seed=1))
+    stream = [t for text in texts for t in [ord(c) for c in text] + [0]]
+    starts = [next(i for i in range(0, len(stream), 16) if stream[i:i + 16] == row.tolist()) for row in blocks]
+    assert len(set(starts)) == 3
+    with pytest.raises(ValueError, match="fewer than the 9"):
+        quant.calibration_blocks(CharTokenizer(), texts, n_blocks=9, block_size=16)
+
+
+def test_bits_per_weight_counts_scales_zeros_and_g_idx():
+    assert quant.bits_per_weight(QuantConfig(bits=4, group_size=64), 576, 576) == pytest.approx(
+        4 + 20 / 64 + 32 / 576)
+    assert quant.bits_per_weight(QuantConfig(bits=3, group_size=-1), 576, 1536) == pytest.approx(
+        3 + 19 / 576 + 32 / 1536)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def test_checkpoint_round_trip_is_exact_in_fp32(tiny, calibration, tmp_path):
+    qm = quant.quantize_model(tiny, QuantConfig(bits=4, group_size=32, act_order=True), calibration,
+                              progress=False)
+    quant.save_gptq(qm, None, tmp_path / "q", dtype=torch.float32)
+    config = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert config | {"meta": None} == config | {
+        "quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": True,
+        "checkpoint_format": "gptq", "meta": None}
+    tensors = load_file(tmp_path / "q" / "model.safetensors")
+    assert "model.layers.0.self_attn.q_proj.weight" not in tensors
+    assert tensors["model.layers.0.self_attn.q_proj.qweight"].shape == (64 * 4 // 32, 64)
+    back = quant.load_gptq(tmp_path / "q")
+    ids = calibration[:2]
+    with torch.no_grad():
+        assert torch.equal(back.model(ids).logits, qm.model(ids).logits)
+
+
+def test_failed_save_keeps_the_previous_checkpoint(tiny, tmp_path, monkeypatch):
+    qm = quant.quantize_model(tiny, QuantConfig(bits=4, group_size=32), method="rtn", progress=False)
+    quant.save_gptq(qm, None, tmp_path / "q")
+    before = sorted(p.name for p in (tmp_path / "q").iterdir())
+    monkeypatch.setattr(quant, "pack_weight", lambda q: (_ for _ in ()).throw(RuntimeError("disk full")))
+    with pytest.raises(RuntimeError, match="disk full"):
+        quant.save_gptq(qm, None, tmp_path / "q")
+    assert sorted(p.name for p in (tmp_path / "q").iterdir()) == before
+    assert [p.name for p in tmp_path.iterdir()] == ["q"]
+
+
+def test_load_gptq_rejects_non_gptq_directories(tmp_path):
+    tiny_llama().save_pretrained(tmp_path / "fp")
+    with pytest.raises(ValueError, match="not a GPTQ checkpoint"):
+        quant.load_gptq(tmp_path / "fp")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        quant.load_gptq(tmp_path / "nowhere")
+
+
+def test_a_gptqmodel_checkpoint_loads_into_labkit():
+    """The shipped fixture was quantized by GPTQModel 7.6 (tests/fixtures/make_gptqmodel_tiny.py);
+    its reference logits come from GPTQModel's own CPU kernel, which computes in bfloat16."""
+    qm = quant.load_gptq(FIXTURES / "gptqmodel_tiny")
+    ref = load_file(FIXTURES / "gptqmodel_tiny_reference.safetensors")
+    assert qm.config == QuantConfig(bits=4, group_size=32, sym=True)
+    with torch.no_grad():
+        logits = qm.model(ref["input_ids"]).logits
+    torch.testing.assert_close(logits, ref["logits"], rtol=0, atol=0.02)
+    source = tiny_llama()
+    for name, q in qm.weights.items():  # GPTQ moves weights, but only about a grid step
+        w = source.get_submodule(name).weight
+        assert ((q.dequantize() - w).abs() <= 2 * q.scales[q.g_idx.long()].T).float().mean() > 0.99
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not quant.gptqmodel_available(), reason="GPTQModel and optimum are not installed")
+@pytest.mark.parametrize("bits", [3, 4])
+def test_a_labkit_checkpoint_loads_through_transformers(tiny, calibration, tmp_path, bits):
+    qm = quant.quantize_model(tiny, QuantConfig(bits=bits, group_size=32), calibration, progress=False)
+    quant.save_gptq(qm, None, tmp_path / "q")
+    hf = quant.load_with_transformers(tmp_path / "q")
+    module = hf.model.layers[1].mlp.down_proj
+    assert type(module).__module__.startswith("gptqmodel")  # a packed kernel, not a dense nn.Linear
+    theirs = quant.unpack_weight({k: getattr(module, k) for k in ("qweight", "qzeros", "scales", "g_idx")},
+                                 bits, module.in_features, v1=False)  # GPTQModel converts to v2 on load
+    ours = qm.weights["model.layers.1.mlp.down_proj"]
+    assert torch.equal(theirs.codes, ours.codes) and torch.equal(theirs.zeros, ours.zeros)
+    ids = calibration[:2]
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits.float(), qm.model(ids).logits, rtol=0, atol=0.03)
+
+
+def test_input_hessian_of_a_whole_model_equals_the_block_level_one(tiny, calibration):
+    layers = quant.decoder_layers(tiny)
+    inputs, kwargs = quant._first_block_inputs(tiny, layers, calibration[:4], batch_size=2)
+    expected, _ = quant._input_hessian(layers[0], layers[0].self_attn.q_proj, inputs, kwargs)
+    h = quant.input_hessian(tiny, "model.layers.0.self_attn.q_proj", calibration[:4], batch_size=2)
+    torch.testing.assert_close(h, expected)
+    with pytest.raises(ValueError, match="not an nn.Linear"):
+        quant.input_hessian(tiny, "model.layers.0.self_attn", calibration[:4])
