@@ -16,14 +16,16 @@ zero point; each weight becomes an integer code q in [0, 2^bits - 1] standing fo
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import json
 import math
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -699,19 +701,31 @@ def gptqmodel_available() -> bool:
     return all(importlib.util.find_spec(m) is not None for m in ("gptqmodel", "optimum"))
 
 
+@contextlib.contextmanager
+def _quiet(what: str) -> Iterator[None]:
+    """Hold back GPTQModel's banners and per-layer progress (hundreds of lines); show them if `what` fails."""
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            yield
+    except Exception as err:
+        raise RuntimeError(f"{what} failed; its log ends with:\n{log.getvalue()[-3000:]}") from err
+
+
 def quantize_with_gptqmodel(source: str | Path, calibration: torch.Tensor, cfg: QuantConfig, dest: str | Path,
                             batch_size: int = 1) -> Path:
     """Quantize the model in directory `source` with GPTQModel under the same settings as labkit (for parity)."""
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(1, min(os.cpu_count() or 1, 4))))
-    from gptqmodel import GPTQModel, QuantizeConfig
+    with _quiet("GPTQModel quantization"):
+        from gptqmodel import GPTQModel, QuantizeConfig
 
-    qcfg = QuantizeConfig(bits=cfg.bits, group_size=cfg.group_size, sym=cfg.sym, desc_act=cfg.act_order,
-                          damp_percent=cfg.damp, act_group_aware=False)
-    model = GPTQModel.load(str(source), qcfg, device="cuda" if torch.cuda.is_available() else "cpu")
-    calib = [{"input_ids": row[None], "attention_mask": torch.ones_like(row)[None]} for row in calibration]
-    model.quantize(calib, batch_size=batch_size)
-    with assets.atomic_directory(dest) as tmp:
-        model.save(str(tmp))
+        qcfg = QuantizeConfig(bits=cfg.bits, group_size=cfg.group_size, sym=cfg.sym, desc_act=cfg.act_order,
+                              damp_percent=cfg.damp, act_group_aware=False)
+        model = GPTQModel.load(str(source), qcfg, device="cuda" if torch.cuda.is_available() else "cpu")
+        calib = [{"input_ids": row[None], "attention_mask": torch.ones_like(row)[None]} for row in calibration]
+        model.quantize(calib, batch_size=batch_size)
+        with assets.atomic_directory(dest) as tmp:
+            model.save(str(tmp))
     return Path(dest)
 
 
@@ -723,4 +737,5 @@ def load_with_transformers(path: str | Path, device: str = "cpu") -> nn.Module:
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(1, min(os.cpu_count() or 1, 4))))
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path), device_map=device).eval()
+    with _quiet(f"loading {path} through transformers"):
+        return AutoModelForCausalLM.from_pretrained(str(path), device_map=device).eval()

@@ -355,3 +355,16 @@ def test_input_hessian_of_a_whole_model_equals_the_block_level_one(tiny, calibra
     torch.testing.assert_close(h, expected)
     with pytest.raises(ValueError, match="not an nn.Linear"):
         quant.input_hessian(tiny, "model.layers.0.self_attn", calibration[:4])
+
+
+def test_loading_through_transformers_without_gptqmodel_says_what_to_install(monkeypatch, tmp_path):
+    monkeypatch.setattr(quant, "gptqmodel_available", lambda: False)
+    with pytest.raises(ImportError, match=r"labkit\[gptq\]"):
+        quant.load_with_transformers(tmp_path)
+
+
+def test_library_failures_show_the_held_back_log():
+    with pytest.raises(RuntimeError, match="(?s)demo failed.*banner line"):
+        with quant._quiet("demo"):
+            print("banner line")
+            raise ValueError("boom")
