@@ -714,7 +714,7 @@ def _quiet(what: str) -> Iterator[None]:
 
 def quantize_with_gptqmodel(source: str | Path, calibration: torch.Tensor, cfg: QuantConfig, dest: str | Path,
                             batch_size: int = 1) -> Path:
-    """Quantize the model in directory `source` with GPTQModel under the same settings as labkit (for parity)."""
+    """Quantize the model in directory `source` (which must hold a tokenizer too) with GPTQModel, same settings as labkit."""
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(1, min(os.cpu_count() or 1, 4))))
     with _quiet("GPTQModel quantization"):
         from gptqmodel import GPTQModel, QuantizeConfig

@@ -347,6 +347,23 @@ def test_a_labkit_checkpoint_loads_through_transformers(tiny, calibration, tmp_p
         torch.testing.assert_close(hf(ids).logits.float(), qm.model(ids).logits, rtol=0, atol=0.03)
 
 
+@pytest.mark.slow
+@pytest.mark.model
+@pytest.mark.skipif(not quant.gptqmodel_available(), reason="GPTQModel and optimum are not installed")
+def test_a_labkit_checkpoint_loads_in_gptqmodel_itself(tiny, calibration, tmp_path):
+    from labkit.models import load_tokenizer
+
+    qm = quant.quantize_model(tiny, QuantConfig(bits=4, group_size=32), calibration, progress=False)
+    quant.save_gptq(qm, load_tokenizer(), tmp_path / "q")  # GPTQModel insists on a tokenizer
+    with quant._quiet("GPTQModel.load"):
+        from gptqmodel import GPTQModel
+
+        loaded = GPTQModel.load(str(tmp_path / "q"), device="cpu")
+    ids = calibration[:2]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(ids).logits.float(), qm.model(ids).logits, rtol=0, atol=0.03)
+
+
 def test_input_hessian_of_a_whole_model_equals_the_block_level_one(tiny, calibration):
     layers = quant.decoder_layers(tiny)
     inputs, kwargs = quant._first_block_inputs(tiny, layers, calibration[:4], batch_size=2)
