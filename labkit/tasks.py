@@ -18,6 +18,7 @@ from torch import nn
 
 from labkit import evaluate
 from labkit.data import load_documents
+from labkit.shards import pad_batch
 
 TITLE_QUESTION = "Which Wikipedia article is this summary from? Answer with the title only."
 
@@ -68,15 +69,10 @@ def sft_batches(tokenizer, examples: Sequence[Example], batch_size: int, max_len
     batches = []
     for start in range(0, len(order), batch_size):
         encoded = [encode_example(tokenizer, examples[i], max_length) for i in order[start:start + batch_size]]
-        length = max(len(ids) for ids, _ in encoded)
-        ids = torch.full((len(encoded), length), pad, dtype=torch.long)
-        labels = torch.full((len(encoded), length), -100, dtype=torch.long)
-        mask = torch.zeros((len(encoded), length), dtype=torch.long)
-        for row, (tokens, n_prompt) in enumerate(encoded):
-            ids[row, :len(tokens)] = torch.tensor(tokens)
-            mask[row, :len(tokens)] = 1
-            labels[row, n_prompt:len(tokens)] = torch.tensor(tokens[n_prompt:])
-        batches.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+        batch = pad_batch([tokens for tokens, _ in encoded], pad)  # labels are -100 on the padding
+        for row, (_, n_prompt) in enumerate(encoded):
+            batch["labels"][row, :n_prompt] = -100  # and on the prompt: only the answer is learned
+        batches.append(batch)
     return batches
 
 
