@@ -197,6 +197,22 @@ def _reset_peak_rss() -> bool:
         return False
 
 
+def release_memory() -> None:
+    """Give freed memory back before a measurement: collect garbage, empty the CUDA cache, and on glibc
+    trim the heap (freed pages stay resident otherwise, and the next region's peak hides in them)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    if platform.system() == "Linux":
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc (musl): nothing to trim
+            pass
+
+
 @contextlib.contextmanager
 def track_peak_memory(device: str | torch.device | None = None) -> Iterator[PeakMemory]:
     """Measure the peak memory of the `with` block: CUDA allocator on GPU, resident set on CPU."""

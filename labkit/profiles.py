@@ -39,6 +39,11 @@ class Profile:
     calibration_blocks: int  # GPTQ calibration windows (lab 07); the paper used 128
     calibration_block_size: int  # tokens per calibration window; the paper used 2048
     quant_settings: tuple[tuple[int, int], ...]  # (bits, group size) compared whole-model in lab 07; -1 = per channel
+    lora_steps: int  # optimizer steps per fine-tuning run in lab 08 (each example seen once)
+    lora_batch_size: int  # task examples per step
+    lora_max_length: int  # tokens per example (prompt cut from the left)
+    lora_eval_examples: int  # held-out validation articles scored per run
+    lora_ranks: tuple[int, ...]  # LoRA ranks compared on q/v
 
 
 PROFILES: dict[str, Profile] = {
@@ -72,6 +77,11 @@ PROFILES: dict[str, Profile] = {
             calibration_blocks=8,
             calibration_block_size=256,
             quant_settings=((4, 64),),
+            lora_steps=2,
+            lora_batch_size=2,
+            lora_max_length=128,
+            lora_eval_examples=3,
+            lora_ranks=(8,),
         ),
         Profile(
             name="cpu",
@@ -101,6 +111,11 @@ PROFILES: dict[str, Profile] = {
             calibration_blocks=32,
             calibration_block_size=512,
             quant_settings=((4, 64), (4, -1), (3, 64), (3, -1)),
+            lora_steps=30,
+            lora_batch_size=4,
+            lora_max_length=256,
+            lora_eval_examples=40,
+            lora_ranks=(4, 8, 16),
         ),
         Profile(
             name="gpu",
@@ -130,6 +145,11 @@ PROFILES: dict[str, Profile] = {
             calibration_blocks=128,
             calibration_block_size=2048,
             quant_settings=((4, 64), (4, -1), (3, 64), (3, -1)),
+            lora_steps=200,
+            lora_batch_size=16,
+            lora_max_length=384,
+            lora_eval_examples=200,
+            lora_ranks=(4, 8, 16, 64),
         ),
     )
 }

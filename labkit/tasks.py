@@ -88,3 +88,22 @@ def exact_match(model: nn.Module, tokenizer, examples: Sequence[Example], max_ne
     predictions = [evaluate.generate(model, tokenizer, ex.prompt, max_new_tokens=max_new_tokens) for ex in examples]
     hits = [normalize(p) == normalize(ex.answer) for p, ex in zip(predictions, examples)]
     return {"accuracy": sum(hits) / len(hits), "predictions": predictions, "hits": hits}
+
+
+@torch.no_grad()
+def answer_loss(model: nn.Module, tokenizer, examples: Sequence[Example], batch_size: int = 8,
+                max_length: int = 256) -> float:
+    """Mean cross-entropy per answer token (prompt excluded): a cheap, smooth score beside exact match."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    try:
+        for batch in sft_batches(tokenizer, examples, batch_size, max_length):
+            batch = {k: v.to(device) for k, v in batch.items()}
+            n = int((batch["labels"][:, 1:] != -100).sum())  # HF shifts labels by one inside the model
+            total += model(**batch).loss.item() * n
+            count += n
+    finally:
+        model.train(was_training)
+    return total / count

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from labkit import lora, quant
+from labkit import lora, quant, tasks, train
 from labkit.models import count_parameters, tiny_llama
 
 
@@ -23,6 +23,17 @@ def randomize_b(model: torch.nn.Module) -> None:
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+def train_a_few_steps(model: torch.nn.Module, ids: torch.Tensor, steps: int = 5) -> bool:
+    """AdamW on whatever is trainable; True when the loss went down."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    first = model(ids, labels=ids).loss.item()
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        optimizer.step()
+    return model(ids, labels=ids).loss.item() < first
 
 
 def test_a_fresh_adapter_leaves_the_output_unchanged_and_trains_only_a_and_b():
@@ -46,7 +57,9 @@ def test_from_scratch_matches_peft_outputs_and_gradients(ids, targets):
     lora.add_lora(ours, targets, r=4, alpha=8)
     peft_model = lora.apply_peft(theirs, targets, r=4, alpha=8)
     randomize_b(peft_model)
+    assert lora.adapter_difference(peft_model, ours) > 0  # independent random A
     lora.copy_from_peft(peft_model, ours)
+    assert lora.adapter_difference(peft_model, ours) == 0.0
     out_ours, out_theirs = ours(ids, labels=ids), peft_model(input_ids=ids, labels=ids)
     torch.testing.assert_close(out_ours.logits, out_theirs.logits, rtol=0, atol=1e-6)
     out_ours.loss.backward()
@@ -98,6 +111,19 @@ def test_adapter_save_and_load_round_trip(ids, tmp_path):
         lora.load_adapter(tiny_llama(), tmp_path)
 
 
+def test_adapters_trained_from_scratch_ship_as_a_peft_adapter(ids, tmp_path):
+    ours = tiny_llama()
+    lora.add_lora(ours, ("q_proj", "v_proj"), r=4)
+    randomize_b(ours)
+    peft_model = lora.apply_peft(tiny_llama(), ("q_proj", "v_proj"), r=4)
+    lora.copy_to_peft(ours, peft_model)
+    loaded = lora.load_adapter(tiny_llama(), lora.save_adapter(peft_model, tmp_path / "adapter"))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, ours(ids).logits, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="LoRALinear"):
+        lora.copy_to_peft(tiny_llama(), peft_model)  # no adapters on this side
+
+
 def test_unknown_targets_list_the_available_names():
     with pytest.raises(ValueError, match=r"\['qkv'\].*available: \['down_proj', 'gate_proj', 'k_proj', 'o_proj'"):
         lora.add_lora(tiny_llama(), ("q_proj", "qkv"))
@@ -113,17 +139,97 @@ def test_lora_on_a_quantized_base_trains_only_the_adapters(ids):
     model = qm.model
     base = {n: p.detach().clone() for n, p in model.named_parameters()}
     lora.add_lora(model, lora.ALL_LINEAR, r=4)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    first = model(ids, labels=ids).loss
-    for _ in range(5):
-        optimizer.zero_grad()
-        model(ids, labels=ids).loss.backward()
-        optimizer.step()
-    assert model(ids, labels=ids).loss < first
+    assert train_a_few_steps(model, ids)  # the loss went down
     for name, q in qm.weights.items():  # the quantized base is untouched
         assert torch.equal(model.get_submodule(name).base.weight, q.dequantize())
     frozen = {n.replace(".base.", "."): p for n, p in model.named_parameters() if "lora_" not in n}
     assert frozen.keys() == base.keys() and all(torch.equal(p, base[n]) for n, p in frozen.items())
+
+
+def test_lora_on_a_packed_4_bit_base_trains_and_merges(ids):
+    """QLoRA proper: the base stays packed (4 bits per weight) while the fp32 adapters train on top."""
+    qm = quant.quantize_model(tiny_llama(), quant.QuantConfig(bits=4, group_size=32), method="rtn", progress=False)
+    model = quant.pack_model(qm)
+    packed = {n: b.clone() for n, b in model.named_buffers() if n.endswith(".packed")}
+    adapters = lora.add_lora(model, ("q_proj", "down_proj"), r=4)
+    assert {type(a.base).__name__ for a in adapters.values()} == {"PackedLinear"}
+    assert train_a_few_steps(model, ids)  # the loss went down
+    after = {n.replace(".base.", "."): b for n, b in model.named_buffers() if n.endswith(".packed")}
+    assert after.keys() == packed.keys() and all(torch.equal(b, packed[n]) for n, b in after.items())
+    with torch.no_grad():
+        unmerged = model(ids).logits
+        merged = lora.merge_lora(model)(ids).logits
+    torch.testing.assert_close(merged, unmerged, rtol=1e-4, atol=1e-4)
+
+
+def test_update_spectrum_and_energy_rank_see_a_low_rank_update():
+    torch.manual_seed(0)
+    before = torch.randn(40, 30)
+    u, v = torch.randn(40, 2), torch.randn(2, 30)
+    s = lora.update_spectrum(before, before + u @ v)
+    assert s.shape == (30,) and (s[:2] > 1).all() and (s[2:] < 1e-4).all()
+    assert lora.energy_rank(torch.tensor([4.0, 3.0, 0.0])) == 2  # 16 + 9 of 25: 90 % needs both
+    assert lora.energy_rank(torch.tensor([4.0, 3.0, 0.0]), share=0.5) == 1
+    with pytest.raises(ValueError):
+        lora.update_spectrum(before, before[:, :5])
+    with pytest.raises(ValueError):
+        lora.energy_rank(s, share=0)
+
+
+def test_truncated_updates_keep_the_best_rank_r_part_of_the_change_then_restore():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(30, 40))
+    before = {"0.weight": model[0].weight.detach().clone()}
+    delta = torch.randn(40, 2) @ torch.randn(2, 30) + 0.01 * torch.randn(40, 30)
+    with torch.no_grad():
+        model[0].weight += delta
+        model[0].bias += 1
+    trained = model[0].weight.detach().clone()
+    u, s, vh = torch.linalg.svd(delta)
+    seen = []
+    for r in lora.truncated_updates(model, before, (1, 2)):
+        expected = (u[:, :r] * s[:r]) @ vh[:r]
+        torch.testing.assert_close(model[0].weight - before["0.weight"], expected, atol=1e-5, rtol=1e-4)
+        seen.append(r)
+    assert seen == [1, 2] and torch.equal(model[0].weight, trained)  # the trained weights are back
+    with pytest.raises(ValueError, match="2-D"):
+        next(lora.truncated_updates(model, {"0.bias": model[0].bias.detach()}, (1,)))
+    with pytest.raises(ValueError, match="positive"):
+        next(lora.truncated_updates(model, before, (0,)))
+
+
+def test_training_state_counts_gradients_and_two_adam_moments_for_trainable_weights_only():
+    model = tiny_llama()
+    full = lora.training_state_bytes(model)
+    assert full["gradients"] == 4 * count_parameters(model) and full["optimizer"] == 2 * full["gradients"]
+    adapters = lora.add_lora(model, ("q_proj",), r=4)
+    adapted = lora.training_state_bytes(model)
+    a = next(iter(adapters.values()))
+    assert adapted["gradients"] == 4 * len(adapters) * 4 * (a.base.in_features + a.base.out_features)
+    assert adapted["weights"] == full["weights"] + adapted["gradients"]  # the base plus the adapters
+    assert adapted["total"] == adapted["weights"] + 3 * adapted["gradients"]
+
+
+def test_finetune_and_score_refuses_a_model_with_nothing_to_train():
+    model = tiny_llama().requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable"):
+        lora.finetune_and_score("frozen", model, None, [], [], train.TrainConfig(steps=1), 1, 64)
+
+
+@pytest.mark.model
+def test_finetune_and_score_trains_adapters_and_scores_the_task(default_model):
+    base, tokenizer = default_model
+    model = copy.deepcopy(base)
+    lora.add_lora(model, ("q_proj", "v_proj"), r=8)
+    examples = tasks.title_examples("train", limit=4)
+    held_out = tasks.title_examples("validation", limit=2)
+    cfg = train.TrainConfig(steps=2, lr=1e-3, progress=False)
+    result = lora.finetune_and_score("r8", model, tokenizer, examples, held_out, cfg, batch_size=2, max_length=128,
+                                     max_new_tokens=4)
+    assert result.trainable == 460_800 and len(result.losses) == 2 and result.step_seconds > 0
+    assert result.peak_memory.peak_bytes > 0 and result.eval_loss > 0 and 0 <= result.accuracy <= 1
+    assert len(result.predictions) == 2
+    assert result.row(count_parameters(base))["share"] == "0.34 %"
 
 
 @pytest.mark.model

@@ -8,6 +8,16 @@ import torch
 from labkit import tasks
 
 
+class Tok:
+    """A character tokenizer without a chat template: enough for batching and loss tests without the model."""
+
+    eos_token_id = pad_token_id = 0
+    chat_template = None
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [ord(c) % 50 + 1 for c in text]}
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     from labkit.models import load_tokenizer
@@ -50,13 +60,6 @@ def test_long_prompts_are_cut_from_the_left_and_tiny_budgets_rejected(tokenizer)
 
 
 def test_batches_are_shuffled_reproducibly_and_validated():
-    class Tok:
-        eos_token_id = pad_token_id = 0
-        chat_template = None
-
-        def __call__(self, text, add_special_tokens=True):
-            return {"input_ids": [ord(c) % 50 + 1 for c in text]}
-
     examples = [tasks.Example(f"prompt number {i}", f"answer {i}") for i in range(10)]
     a = tasks.sft_batches(Tok(), examples, batch_size=4, max_length=64, seed=1)
     b = tasks.sft_batches(Tok(), examples, batch_size=4, max_length=64, seed=1)
@@ -64,6 +67,21 @@ def test_batches_are_shuffled_reproducibly_and_validated():
     assert all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(a, b))
     with pytest.raises(ValueError):
         tasks.sft_batches(Tok(), [], batch_size=4, max_length=64)
+
+
+def test_answer_loss_counts_answer_tokens_only_whatever_the_batching():
+    from labkit.models import tiny_llama
+
+    model = tiny_llama()
+    examples = [tasks.Example("short prompt", "yes"), tasks.Example("a much longer prompt " * 3, "no answer here")]
+    batched = tasks.answer_loss(model, Tok(), examples, batch_size=2, max_length=128)
+    losses, counts = [], []
+    for ex in examples:  # one at a time: no padding at all
+        losses.append(tasks.answer_loss(model, Tok(), [ex], batch_size=1, max_length=128))
+        counts.append(len(ex.answer) + 1)  # the answer's tokens and the end token
+    assert batched == pytest.approx(sum(l * n for l, n in zip(losses, counts)) / sum(counts), rel=1e-5)
+    changed = [tasks.Example("another prompt entirely", ex.answer) for ex in examples]
+    assert tasks.answer_loss(model, Tok(), changed, batch_size=2) != pytest.approx(batched)  # the prompt conditions it
 
 
 @pytest.mark.parametrize("pred, answer, same", [("The Beatles.", "the beatles", True), ("Paris", "Paris, France", False),
