@@ -5,6 +5,7 @@
 #   make lab LAB_ARGS="--no-browser --ip=0.0.0.0 --port=8890"   (a cluster node; tunnel the port)
 #   make lab TORCH="torch --index-url https://download.pytorch.org/whl/cu128"   (pick your torch build)
 #
+#   make student             write build/student/: the labs with exercise solutions stubbed
 #   make lab BUILD_CUDA_EXT=1   (let GPTQModel compile its CUDA kernels: minutes, needs nvcc)
 #
 # torch is installed only when the venv cannot already import it, so a CUDA/ROCm build you
@@ -22,7 +23,7 @@ PYTEST_ARGS ?=
 PY         := $(VENV)/bin/python
 STAMP      := $(VENV)/.labkit-installed
 
-.PHONY: lab test setup prepare doctor clean
+.PHONY: lab test student setup prepare doctor clean
 
 lab: prepare
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m labkit lab $(LAB_ARGS)
@@ -30,6 +31,9 @@ lab: prepare
 test: prepare
 	PATH="$(abspath $(VENV))/bin:$$PATH" LABKIT_PROFILE=smoke HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
 	  $(PY) -m pytest tests labs --nbval-lax --nbval-cell-timeout=600 --durations=15 $(PYTEST_ARGS)
+
+student: setup
+	$(PY) -m labkit student --labs labs --output build/student
 
 setup: $(STAMP)
 

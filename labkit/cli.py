@@ -1,4 +1,4 @@
-"""Command line: `labkit doctor`, `labkit prepare`, `labkit profile`, `labkit lab`, `labkit slurm`."""
+"""Command line: `labkit doctor`, `labkit prepare`, `labkit profile`, `labkit lab`, `labkit slurm`, `labkit student`."""
 
 from __future__ import annotations
 
@@ -70,6 +70,16 @@ def _slurm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _student(args: argparse.Namespace) -> int:
+    from labkit.student import build_student
+
+    counts = build_student(args.labs, args.output)
+    for name, count in counts.items():
+        print(f"{name}: {count} exercise region{'s' * (count != 1)} stubbed")
+    print(f"wrote the student notebooks to {args.output}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `labkit` command."""
     parser = argparse.ArgumentParser(prog="labkit", description=__doc__)
@@ -96,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--account")
     p.add_argument("--output", "-o", help="write the script here instead of printing it")
     p.set_defaults(func=_slurm)
+    p = sub.add_parser("student", help="write the student notebooks: solutions replaced by stubs, outputs cleared")
+    p.add_argument("--labs", default=str(LABS_DIR), help="the solution notebooks (default: the course's labs/)")
+    p.add_argument("--output", "-o", default="build/student", help="where to write them (default: build/student)")
+    p.set_defaults(func=_student)
     args, extra = parser.parse_known_args(argv)
     if extra and args.command not in ("lab", "slurm"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -83,8 +83,8 @@ def _utf8(text: str) -> bytes:
         ) from None
 
 
-def _merge_word(word: tuple[int, ...], a: int, b: int, new: int) -> tuple[int, ...]:
-    """Replace each non-overlapping (a, b) in word, left to right, with new."""
+def merge_pair(word: tuple[int, ...], a: int, b: int, new: int) -> tuple[int, ...]:
+    """One BPE merge in one word: each non-overlapping (a, b), left to right, becomes new."""
     out, i = [], 0
     while i < len(word):
         if i + 1 < len(word) and word[i] == a and word[i + 1] == b:
@@ -151,7 +151,7 @@ class BPETokenizer:
             rank, pair = min((self.ranks.get(p, (float("inf"), 0))[0], p) for p in zip(word, word[1:]))
             if rank == float("inf"):
                 break
-            word = list(_merge_word(tuple(word), *pair, self.ranks[pair][1]))
+            word = list(merge_pair(tuple(word), *pair, self.ranks[pair][1]))
         if len(self._cache) < 200_000:
             self._cache[piece] = word
         return word
@@ -267,7 +267,7 @@ def train_bpe(
         touched = set()
         for i in where.pop(pair):
             old, f = words[i], freqs[i]
-            updated = _merge_word(old, a, b, new)
+            updated = merge_pair(old, a, b, new)
             if updated == old:
                 continue
             for p in zip(old, old[1:]):

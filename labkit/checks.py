@@ -1,0 +1,136 @@
+"""Exercise checks: each compares a student's function with labkit's own implementation of the same step.
+
+A check runs the function on a few cases chosen to catch the usual mistakes, and raises `CheckFailed`
+(an AssertionError, so a notebook cell stops there) with the smallest failing case, what was
+expected, what came back, and a hint. A function that still raises NotImplementedError (the stub of
+the student build) gets a message saying which exercise is left, not a traceback.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from labkit import lora, prune, tokenizer
+
+
+class CheckFailed(AssertionError):
+    """An exercise answer that does not match the reference; the message says how."""
+
+
+def _call(exercise: str, fn: Callable, *args: Any) -> Any:
+    if not callable(fn):
+        raise CheckFailed(f"{exercise}: expected a function, got {type(fn).__name__}")
+    try:
+        return fn(*args)
+    except NotImplementedError:
+        raise CheckFailed(f"{exercise}: not written yet — replace the `raise NotImplementedError` in the "
+                          "exercise cell with your code, run that cell, then this one") from None
+
+
+def _passed(exercise: str, cases: int) -> str:
+    message = f"{exercise}: passed ({cases} cases)"
+    print(message)
+    return message
+
+
+# ----------------------------------------------------------------------------- lab 01: one BPE merge
+
+
+def _merge_overlapping(word: tuple[int, ...], a: int, b: int, new: int) -> tuple[int, ...]:
+    """The usual wrong answer: after a match, step one token instead of two."""
+    return tuple(new if (x, y) == (a, b) else x for x, y in zip(word, word[1:] + (None,)))
+
+
+def _merge_right_to_left(word: tuple[int, ...], a: int, b: int, new: int) -> tuple[int, ...]:
+    return tokenizer.merge_pair(word[::-1], b, a, new)[::-1]
+
+
+def check_merge_pair(fn: Callable[[tuple[int, ...], int, int, int], tuple[int, ...]]) -> str:
+    """Lab 01: fn(word, a, b, new) replaces each (a, b) in `word`, left to right, without overlaps, by `new`."""
+    exercise = "exercise 01.1 (one BPE merge)"
+    cases = [((1, 2, 3), 1, 2, 9), ((1, 2, 1, 2), 1, 2, 9), ((2, 1), 1, 2, 9), ((), 1, 2, 9), ((1,), 1, 2, 9),
+             ((3, 1, 2, 4, 1, 2), 1, 2, 7), ((5, 5, 5), 5, 5, 9), ((5, 5, 5, 5), 5, 5, 9)]
+    mistakes = {_merge_overlapping: "a merged pair uses up both tokens: jump past b before looking for the next pair",
+                _merge_right_to_left: "scan left to right: in (5, 5, 5) the first two 5s merge"}
+    for word, a, b, new in cases:
+        expected = tokenizer.merge_pair(word, a, b, new)
+        got = _call(exercise, fn, word, a, b, new)
+        got = tuple(got) if isinstance(got, (tuple, list)) else got
+        if got != expected:
+            hint = next((h for wrong, h in mistakes.items() if wrong(word, a, b, new) == got),
+                        "every (a, b) in that order becomes `new`; everything else is copied; return a tuple")
+            raise CheckFailed(f"{exercise}: merging {(a, b)} -> {new} in {word} should give {expected}, "
+                              f"got {got}; hint: {hint}")
+    return _passed(exercise, len(cases))
+
+
+# ----------------------------------------------------------------------------- lab 06: a 2:4 mask
+
+
+def _groups_topk(scores: torch.Tensor, n: int, m: int) -> torch.Tensor:
+    groups = scores.reshape(scores.shape[0], -1, m)
+    return torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, groups.topk(n, dim=-1).indices, True).view_as(scores)
+
+
+def _row_topk(scores: torch.Tensor, n: int, m: int) -> torch.Tensor:
+    k = scores.shape[1] // m * n
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, scores.topk(k, dim=-1).indices, True)
+
+
+def check_nm_mask(fn: Callable[[torch.Tensor, int, int], torch.Tensor]) -> str:
+    """Lab 06: fn(weight, n, m) is a bool keep-mask with the n largest |w| of every m consecutive inputs per row."""
+    exercise = "exercise 06.1 (an N:M mask)"
+    g = torch.Generator().manual_seed(0)
+    cases = [(torch.tensor([[0.1, -0.9, 0.5, 0.2, 3.0, -4.0, 0.0, 1.0]]), 2, 4),
+             (torch.randn(6, 16, generator=g), 2, 4), (torch.randn(4, 16, generator=g), 4, 8),
+             (torch.randn(3, 12, generator=g), 1, 4)]
+    mistakes = {"rank by magnitude |w|: a large negative weight matters as much as a large positive one":
+                lambda w, n, m: _groups_topk(w, n, m),
+                "choose within each group of m consecutive inputs, not across the whole row":
+                lambda w, n, m: _row_topk(w.abs(), n, m)}
+    for weight, n, m in cases:
+        expected = prune.nm_masks({"w": weight}, n, m)["w"]
+        got = _call(exercise, fn, weight.clone(), n, m)
+        if not isinstance(got, torch.Tensor) or got.shape != weight.shape:
+            raise CheckFailed(f"{exercise}: return a mask of the weight's shape {tuple(weight.shape)}, "
+                              f"got {getattr(got, 'shape', type(got).__name__)}")
+        if got.dtype != torch.bool:
+            raise CheckFailed(f"{exercise}: return a bool mask (True = keep), got dtype {got.dtype}")
+        if not torch.equal(got, expected):
+            row = int((got != expected).any(dim=1).nonzero()[0])
+            hint = next((h for h, wrong in mistakes.items() if torch.equal(wrong(weight, n, m), got)),
+                        f"keep exactly n = {n} weights, the largest |w|, in every group of m = {m}")
+            raise CheckFailed(f"{exercise}: {n}:{m} mask of row {row} = {[round(v, 3) for v in weight[row].tolist()]} "
+                              f"should be {expected[row].int().tolist()}, got {got[row].int().tolist()}; hint: {hint}")
+    return _passed(exercise, len(cases))
+
+
+# ----------------------------------------------------------------------------- lab 08: the LoRA forward
+
+
+def check_lora_forward(fn: Callable[..., torch.Tensor]) -> str:
+    """Lab 08: fn(x, weight, bias, lora_A, lora_B, alpha, r) = x Wᵀ + b + (alpha / r) · x Aᵀ Bᵀ."""
+    exercise = "exercise 08.1 (the LoRA forward)"
+    g = torch.Generator().manual_seed(0)
+    shapes = [(3, 8, 5, 2), (2, 4, 16, 12, 4), (1, 6, 6, 1)]  # (*batch, in, out, r)
+    for *batch, d_in, d_out, r in shapes:
+        base = torch.nn.Linear(d_in, d_out)
+        layer = lora.LoRALinear(base, r=r, alpha=2.0 * r + 1)  # alpha / r != 1, so a missing scale shows
+        with torch.no_grad():
+            layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=g))
+        x = torch.randn(*batch, d_in, generator=g)
+        expected = layer(x).detach()
+        got = _call(exercise, fn, x, base.weight.detach(), base.bias.detach(), layer.lora_A.detach(),
+                    layer.lora_B.detach(), layer.alpha, r)
+        if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+            raise CheckFailed(f"{exercise}: for x of shape {tuple(x.shape)} the output has shape "
+                              f"{tuple(expected.shape)}, got {getattr(got, 'shape', type(got).__name__)}")
+        if not torch.allclose(got, expected, rtol=1e-5, atol=1e-5):
+            without_scale = (x @ base.weight.T + base.bias + x @ layer.lora_A.T @ layer.lora_B.T).detach()
+            hint = ("the update must be scaled by alpha / r" if torch.allclose(got, without_scale, atol=1e-5) else
+                    "A is [r, in] and B is [out, r]: the update is x @ A.T @ B.T (A first), plus the base x @ W.T + b")
+            raise CheckFailed(f"{exercise}: wrong output for x {tuple(x.shape)}, in={d_in}, out={d_out}, r={r} "
+                              f"(largest difference {(got - expected).abs().max():.3g}); hint: {hint}")
+    return _passed(exercise, len(shapes))

@@ -1,0 +1,94 @@
+"""labkit.checks: every exercise check passes the reference answer, and fails the stub and the usual
+wrong answers with a message that says what to fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labkit import checks, prune, tokenizer
+
+
+def stub(*args):
+    raise NotImplementedError
+
+
+# ----------------------------------------------------------------------------- lab 01
+
+
+def test_merge_pair_check_passes_the_reference():
+    assert "passed" in checks.check_merge_pair(tokenizer.merge_pair)
+
+
+def merge_overlapping(word, a, b, new):
+    out, i = [], 0
+    while i < len(word):
+        out.append(new if word[i:i + 2] == (a, b) else word[i])
+        i += 1  # the mistake: a match should skip two tokens
+    return tuple(out)
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (merge_overlapping, "uses up both tokens"),
+    (lambda w, a, b, n: tokenizer.merge_pair(w[::-1], b, a, n)[::-1], "left to right"),
+    (lambda w, a, b, n: tokenizer.merge_pair(w, b, a, n), "in that order"),
+    (lambda w, a, b, n: list(tokenizer.merge_pair(w, a, b, n)) + [0], "return a tuple"),
+])
+def test_merge_pair_check_explains_wrong_answers(wrong, hint):
+    with pytest.raises(checks.CheckFailed, match=hint):
+        checks.check_merge_pair(wrong)
+
+
+def test_a_stub_is_reported_as_not_written_yet():
+    with pytest.raises(checks.CheckFailed, match="not written yet"):
+        checks.check_merge_pair(stub)
+    with pytest.raises(checks.CheckFailed, match="expected a function"):
+        checks.check_merge_pair(None)
+
+
+# ----------------------------------------------------------------------------- lab 06
+
+
+def test_nm_mask_check_passes_the_reference():
+    assert "passed" in checks.check_nm_mask(lambda w, n, m: prune.nm_masks({"w": w}, n, m)["w"])
+
+
+def signed_topk(w, n, m):
+    groups = w.reshape(w.shape[0], -1, m)
+    return torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, groups.topk(n, dim=-1).indices, True).view_as(w)
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda w, n, m: prune.nm_masks({"w": w}, n, m)["w"].float(), "bool"),
+    (signed_topk, "magnitude"),
+    (lambda w, n, m: torch.zeros_like(w, dtype=torch.bool).scatter_(  # the largest of the whole row
+        -1, w.abs().topk(w.shape[1] // m * n, dim=-1).indices, True), "within each group"),
+    (lambda w, n, m: torch.ones(3, dtype=torch.bool), "shape"),
+    (stub, "not written yet"),
+])
+def test_nm_mask_check_explains_wrong_answers(wrong, hint):
+    with pytest.raises(checks.CheckFailed, match=hint):
+        checks.check_nm_mask(wrong)
+
+
+# ----------------------------------------------------------------------------- lab 08
+
+
+def reference_lora_forward(x, weight, bias, lora_A, lora_B, alpha, r):
+    return x @ weight.T + bias + (x @ lora_A.T @ lora_B.T) * (alpha / r)
+
+
+def test_lora_forward_check_passes_the_reference():
+    assert "passed" in checks.check_lora_forward(reference_lora_forward)
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda x, w, b, A, B, alpha, r: x @ w.T + b + x @ A.T @ B.T, "alpha / r"),
+    (lambda x, w, b, A, B, alpha, r: x @ w.T + (x @ A.T @ B.T) * (alpha / r), "plus the base"),  # no bias
+    (lambda x, w, b, A, B, alpha, r: (x @ A.T @ B.T) * (alpha / r), "plus the base"),
+    (lambda x, w, b, A, B, alpha, r: (x @ w.T)[..., :1], "shape"),
+    (stub, "not written yet"),
+])
+def test_lora_forward_check_explains_wrong_answers(wrong, hint):
+    with pytest.raises(checks.CheckFailed, match=hint):
+        checks.check_lora_forward(wrong)
