@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from labkit import lora, prune, tokenizer
+from labkit import lora, precision, prune, tokenizer, train
 
 
 class CheckFailed(AssertionError):
@@ -63,6 +63,52 @@ def check_merge_pair(fn: Callable[[tuple[int, ...], int, int, int], tuple[int, .
                         "every (a, b) in that order becomes `new`; everything else is copied; return a tuple")
             raise CheckFailed(f"{exercise}: merging {(a, b)} -> {new} in {word} should give {expected}, "
                               f"got {got}; hint: {hint}")
+    return _passed(exercise, len(cases))
+
+
+# ----------------------------------------------------------------------------- lab 02: the loss-scale update
+
+
+def check_update_loss_scale(fn: Callable[[float, int, bool, float, float, int], tuple[float, int]]) -> str:
+    """Lab 02: fn(scale, good_steps, found_inf, growth_factor, backoff_factor, growth_interval) -> (scale, good_steps)."""
+    exercise = "exercise 02.1 (dynamic loss scaling)"
+    flags = [False, False, False, True, False, False, False, False, True, True, False, False, False]
+    scale, good, mine = 2.0**16, 0, (2.0**16, 0)
+    for step, found_inf in enumerate(flags):
+        expected = precision.update_loss_scale(scale, good, found_inf, 2.0, 0.5, 3)
+        got = _call(exercise, fn, scale, good, found_inf, 2.0, 0.5, 3)
+        if not isinstance(got, tuple) or len(got) != 2:
+            raise CheckFailed(f"{exercise}: return (new_scale, new_good_steps), got {got!r}")
+        if (float(got[0]), int(got[1])) != expected:
+            if found_inf:
+                hint = "an overflow multiplies the scale by backoff_factor and restarts the count at 0"
+            elif expected[0] != scale:
+                hint = f"after growth_interval = 3 good steps in a row the scale grows by growth_factor, count back to 0"
+            else:
+                hint = "a good step that does not complete the interval only adds 1 to the count"
+            raise CheckFailed(f"{exercise}: step {step}, scale {scale:g}, good steps {good}, found_inf {found_inf}: "
+                              f"expected {expected}, got {got}; hint: {hint}")
+        scale, good = expected
+    return _passed(exercise, len(flags))
+
+
+# ----------------------------------------------------------------------------- lab 03: accumulation
+
+
+def check_loss_divisors(fn: Callable[[list[int]], list[int]]) -> str:
+    """Lab 03: fn(token_counts) gives, per micro-batch, the divisor of its summed loss (token-normalized)."""
+    exercise = "exercise 03.1 (token-normalized accumulation)"
+    cases = [[100, 100], [300, 20, 80, 1], [7], [0, 5, 5]]
+    for counts in cases:
+        expected = train.loss_divisors(counts)
+        got = _call(exercise, fn, list(counts))
+        if list(got) != expected:
+            wrong = train.loss_divisors(counts, "per_microbatch_mean")
+            hint = ("that is the mean of per-micro-batch means: it weights the tokens of short micro-batches "
+                    "more. Divide every summed loss by the same number: all target tokens of the window"
+                    if list(got) == wrong else "one divisor per micro-batch; the big batch's loss is a mean over "
+                    "all of its target tokens")
+            raise CheckFailed(f"{exercise}: token counts {counts} need divisors {expected}, got {got}; hint: {hint}")
     return _passed(exercise, len(cases))
 
 

@@ -56,6 +56,20 @@ class Policy:
         return torch.amp.GradScaler(self.device_type, enabled=self.use_scaler)
 
 
+def update_loss_scale(scale: float, good_steps: int, found_inf: bool, growth_factor: float = 2.0,
+                      backoff_factor: float = 0.5, growth_interval: int = 2000) -> tuple[float, int]:
+    """Dynamic loss scaling, one step: (new scale, new count of good steps), as torch's GradScaler does it.
+
+    An overflow (inf/NaN gradients: the step is skipped) multiplies the scale by `backoff_factor` and
+    restarts the count; `growth_interval` good steps in a row multiply it by `growth_factor`.
+    """
+    if found_inf:
+        return scale * backoff_factor, 0
+    if good_steps + 1 == growth_interval:
+        return scale * growth_factor, 0
+    return scale, good_steps + 1
+
+
 def policy(mode: str, device: str | torch.device) -> Policy:
     """The precision policy for `mode` on `device`, or a clear error suggesting what works there."""
     if mode not in MODES:

@@ -132,6 +132,23 @@ def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], policy: precision
     return F.cross_entropy(logits.float().flatten(0, 1), batch["targets"].flatten(), ignore_index=-100, reduction="sum")
 
 
+def loss_divisors(token_counts: list[int], normalize: str = "tokens") -> list[int]:
+    """What to divide each micro-batch's *summed* loss by, given the target tokens of every micro-batch.
+
+    "tokens": the window's total, for every micro-batch — the summed gradients then equal the big
+    batch's mean-loss gradient exactly. "per_microbatch_mean": each one's own count times the number
+    of micro-batches — the common mistake, which over-weights the tokens of short micro-batches.
+    """
+    if normalize not in ("tokens", "per_microbatch_mean"):
+        raise ValueError(f"normalize must be 'tokens' or 'per_microbatch_mean', got {normalize!r}")
+    total = sum(token_counts)
+    if total == 0:
+        raise ValueError("the accumulation window has no target tokens")
+    if normalize == "tokens":
+        return [total] * len(token_counts)
+    return [n * len(token_counts) for n in token_counts]
+
+
 def accumulate_gradients(
     model: nn.Module, micro_batches: list[dict[str, torch.Tensor]], policy: precision.Policy,
     scaler: torch.amp.GradScaler | None = None, normalize: str = "tokens",
@@ -142,20 +159,16 @@ def accumulate_gradients(
     the exact gradient of the big batch. "per_microbatch_mean" averages per-micro-batch means —
     the common mistake, kept for lab 03 to show that it differs.
     """
-    if normalize not in ("tokens", "per_microbatch_mean"):
-        raise ValueError(f"normalize must be 'tokens' or 'per_microbatch_mean', got {normalize!r}")
     counts = [int((mb["targets"] != -100).sum()) for mb in micro_batches]
     total = sum(counts)
-    if total == 0:
-        raise ValueError("the accumulation window has no target tokens")
+    divisors = loss_divisors(counts, normalize)
     loss_total = torch.zeros((), device=micro_batches[0]["input_ids"].device)
-    for i, (mb, n) in enumerate(zip(micro_batches, counts)):
+    for i, (mb, divisor) in enumerate(zip(micro_batches, divisors)):
         last = i == len(micro_batches) - 1
         # Under DDP, gradients are all-reduced only after the last micro-batch (lab 04).
         sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
         with sync:
             s = loss_sum(model, mb, policy)
-            divisor = total if normalize == "tokens" else n * len(micro_batches)
             loss = s / divisor
             (scaler.scale(loss) if scaler is not None else loss).backward()
         loss_total += s.detach()

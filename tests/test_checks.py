@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from labkit import checks, prune, tokenizer
+from labkit import checks, precision, prune, tokenizer, train
 
 
 def stub(*args):
@@ -44,6 +44,43 @@ def test_a_stub_is_reported_as_not_written_yet():
         checks.check_merge_pair(stub)
     with pytest.raises(checks.CheckFailed, match="expected a function"):
         checks.check_merge_pair(None)
+
+
+# ----------------------------------------------------------------------------- lab 02
+
+
+def test_loss_scale_check_passes_the_reference():
+    assert "passed" in checks.check_update_loss_scale(precision.update_loss_scale)
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda s, g, inf, up, down, n: (s * down, g) if inf else precision.update_loss_scale(s, g, inf, up, down, n),
+     "restarts the count"),
+    (lambda s, g, inf, up, down, n: (s * down, 0) if inf else (s * up, 0), "only adds 1"),  # grows every step
+    (lambda s, g, inf, up, down, n: (s * down, 0) if inf else (s, g + 1), "grows by growth_factor"),  # never grows
+    (lambda s, g, inf, up, down, n: s, "new_scale, new_good_steps"),
+    (stub, "not written yet"),
+])
+def test_loss_scale_check_explains_wrong_answers(wrong, hint):
+    with pytest.raises(checks.CheckFailed, match=hint):
+        checks.check_update_loss_scale(wrong)
+
+
+# ----------------------------------------------------------------------------- lab 03
+
+
+def test_loss_divisors_check_passes_the_reference():
+    assert "passed" in checks.check_loss_divisors(train.loss_divisors)
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda counts: [n * len(counts) for n in counts], "per-micro-batch means"),
+    (lambda counts: [sum(counts)], "one divisor per micro-batch"),
+    (stub, "not written yet"),
+])
+def test_loss_divisors_check_explains_wrong_answers(wrong, hint):
+    with pytest.raises(checks.CheckFailed, match=hint):
+        checks.check_loss_divisors(wrong)
 
 
 # ----------------------------------------------------------------------------- lab 06
