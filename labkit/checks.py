@@ -73,7 +73,7 @@ def check_update_loss_scale(fn: Callable[[float, int, bool, float, float, int], 
     """Lab 02: fn(scale, good_steps, found_inf, growth_factor, backoff_factor, growth_interval) -> (scale, good_steps)."""
     exercise = "exercise 02.1 (dynamic loss scaling)"
     flags = [False, False, False, True, False, False, False, False, True, True, False, False, False]
-    scale, good, mine = 2.0**16, 0, (2.0**16, 0)
+    scale, good = 2.0**16, 0
     for step, found_inf in enumerate(flags):
         expected = precision.update_loss_scale(scale, good, found_inf, 2.0, 0.5, 3)
         got = _call(exercise, fn, scale, good, found_inf, 2.0, 0.5, 3)
@@ -83,7 +83,7 @@ def check_update_loss_scale(fn: Callable[[float, int, bool, float, float, int], 
             if found_inf:
                 hint = "an overflow multiplies the scale by backoff_factor and restarts the count at 0"
             elif expected[0] != scale:
-                hint = f"after growth_interval = 3 good steps in a row the scale grows by growth_factor, count back to 0"
+                hint = "after growth_interval = 3 good steps in a row the scale grows by growth_factor, count back to 0"
             else:
                 hint = "a good step that does not complete the interval only adds 1 to the count"
             raise CheckFailed(f"{exercise}: step {step}, scale {scale:g}, good steps {good}, found_inf {found_inf}: "
