@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from labkit import assets, bench, tasks, train
+from labkit.models import count_parameters
 
 ALL_LINEAR = "all-linear"
 
@@ -218,7 +219,7 @@ def finetune_and_score(name: str, model: nn.Module, tokenizer, train_examples: S
     batches = tasks.sft_batches(tokenizer, train_examples, batch_size, max_length, seed=cfg.seed)
     device = next(model.parameters()).device
     state = training_state_bytes(model)
-    trainable = sum(p.numel() for p in {p.data_ptr(): p for p in model.parameters() if p.requires_grad}.values())
+    trainable = count_parameters(model, trainable_only=True)
     bench.release_memory()
     with bench.track_peak_memory(device) as peak:
         history = train.fit(model, batches, cfg)
