@@ -77,23 +77,26 @@ def time_fn(
     device: str | torch.device | None = None,
     clock: Callable[[], float] = time.perf_counter,
     before: Callable[[], Any] | None = None,
+    sync: Callable[[], Any] | None = None,
 ) -> Timing:
     """Call `fn` `warmup` times untimed, then time `repeats` calls, syncing the device around each.
 
-    `before`, if given, runs untimed before every timed call (e.g. a barrier that lines up ranks).
+    `before`, if given, runs untimed before every timed call (e.g. a barrier that lines up ranks);
+    `sync` replaces `synchronize(device)` (a stream, or a simulated device in the lab 00 exercise).
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     for _ in range(warmup):
         fn()
+    wait = sync or (lambda: synchronize(device))
     times = []
     for _ in range(repeats):
         if before is not None:
             before()
-        synchronize(device)
+        wait()
         start = clock()
         fn()
-        synchronize(device)
+        wait()
         times.append(clock() - start)
     return Timing(times=times, warmup=warmup)
 

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from labkit import lora, precision, prune, tokenizer, train
+from labkit import bench, distributed, lora, pipeline, precision, prune, quant, tokenizer, train
 
 
 class CheckFailed(AssertionError):
@@ -33,6 +33,59 @@ def _passed(exercise: str, cases: int) -> str:
     message = f"{exercise}: passed ({cases} cases)"
     print(message)
     return message
+
+
+# ----------------------------------------------------------------------------- lab 00: timing done right
+
+
+class _SimulatedGPU:
+    """A device whose work runs asynchronously: fn() only queues its duration, the clock moves when
+    sync() waits for the queue. Timing without a sync before each clock read measures nothing."""
+
+    def __init__(self, durations: list[float]) -> None:
+        self.durations, self.now, self.queued, self.calls = list(durations), 0.0, 0.0, 0
+
+    def fn(self) -> None:
+        self.queued += self.durations[min(self.calls, len(self.durations) - 1)]
+        self.now += 1e-6  # launching a kernel takes microseconds
+        self.calls += 1
+
+    def sync(self) -> None:
+        self.now += self.queued
+        self.queued = 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+
+def check_median_time(fn: Callable[..., float]) -> str:
+    """Lab 00: fn(work, sync, clock, warmup, repeats) returns the median seconds of `repeats` timed calls."""
+    exercise = "exercise 00.1 (timing done right)"
+    # (durations of successive calls, warmup, repeats): a slow first call (compilation, allocation),
+    # then one outlier, so warm-up, synchronization and median vs mean each change the answer.
+    cases = [([5.0, 0.2, 0.1, 0.3, 4.0, 0.2], 1, 5), ([0.5, 0.5, 0.25], 2, 1), ([1.0, 2.0, 3.0, 40.0], 0, 4)]
+    for durations, warmup, repeats in cases:
+        reference = _SimulatedGPU(durations)
+        expected = bench.time_fn(reference.fn, warmup=warmup, repeats=repeats, clock=reference.clock,
+                                 sync=reference.sync).median
+        device = _SimulatedGPU(durations)
+        got = _call(exercise, fn, device.fn, device.sync, device.clock, warmup, repeats)
+        if device.calls != warmup + repeats:
+            raise CheckFailed(f"{exercise}: call the work warmup + repeats = {warmup + repeats} times, "
+                              f"it was called {device.calls} times")
+        if not isinstance(got, (int, float)) or abs(got - expected) > 1e-9:
+            timed = durations[warmup:warmup + repeats]
+            if isinstance(got, (int, float)) and got < 1e-3:
+                hint = ("you measured how long it takes to *queue* the work: call sync() before reading "
+                        "the clock, after the work and before starting")
+            elif isinstance(got, (int, float)) and abs(got - sum(timed) / len(timed)) < 1e-4:
+                hint = "report the median, not the mean: one slow call should not move the answer"
+            else:
+                hint = ("sync() before the start too, or the warm-up's queued work lands in the first timing; "
+                        "and leave the warm-up calls out of the times")
+            raise CheckFailed(f"{exercise}: calls taking {durations} s, warmup={warmup}, repeats={repeats}: "
+                              f"expected median {expected:.6g} s, got {got!r}; hint: {hint}")
+    return _passed(exercise, len(cases))
 
 
 # ----------------------------------------------------------------------------- lab 01: one BPE merge
@@ -109,6 +162,130 @@ def check_loss_divisors(fn: Callable[[list[int]], list[int]]) -> str:
                     if list(got) == wrong else "one divisor per micro-batch; the big batch's loss is a mean over "
                     "all of its target tokens")
             raise CheckFailed(f"{exercise}: token counts {counts} need divisors {expected}, got {got}; hint: {hint}")
+    return _passed(exercise, len(cases))
+
+
+# ----------------------------------------------------------------------------- lab 04: a ring step
+
+
+def _chunks(world: int, seed: int) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randint(0, 100, (2,), generator=g).double() for _ in range(world)] for _ in range(world)]
+
+
+def _step_overwriting(chunks: list[list[torch.Tensor]], step: int) -> list[list[torch.Tensor]]:
+    """The usual wrong answer: the receiver replaces its copy (all-gather's move) instead of adding to it."""
+    world = len(chunks)
+    out = [list(row) for row in chunks]
+    for rank in range(world):
+        c = distributed.ring_send_chunk(rank, world, step)
+        out[(rank + 1) % world][c] = chunks[rank][c]
+    return out
+
+
+def check_reduce_scatter_step(fn: Callable[[list[list[torch.Tensor]], int], list[list[torch.Tensor]]]) -> str:
+    """Lab 04: fn(chunks, step) is one reduce-scatter step of a ring all-reduce (chunks[r][c]: rank r, chunk c)."""
+    exercise = "exercise 04.1 (a ring reduce-scatter step)"
+    cases = [(2, 0), (3, 0), (3, 1), (4, 2), (5, 1)]
+    for world, step in cases:
+        chunks = _chunks(world, seed=world * 10 + step)
+        expected = distributed.ring_step(chunks, step)
+        given = [[t.clone() for t in row] for row in chunks]
+        got = _call(exercise, fn, given, step)
+        if (not isinstance(got, (list, tuple)) or len(got) != world
+                or any(not isinstance(row, (list, tuple)) or len(row) != world for row in got)):
+            raise CheckFailed(f"{exercise}: return a list with one list of {world} chunks per rank ({world} ranks)")
+        bad = [(r, c) for r in range(world) for c in range(world) if not torch.equal(got[r][c], expected[r][c])]
+        if bad:
+            r, c = bad[0]
+            wrong = _step_overwriting(chunks, step)
+            if all(torch.equal(got[q][k], wrong[q][k]) for q in range(world) for k in range(world)):
+                hint = ("reduce-scatter adds the incoming chunk to the receiver's own copy; replacing it is "
+                        "the all-gather phase")
+            else:
+                hint = (f"at step s rank r sends chunk (r − s) mod p to rank (r + 1) mod p, which adds it to its "
+                        f"own copy; here rank {(r - 1) % world} sends chunk {distributed.ring_send_chunk((r - 1) % world, world, step)}")
+            raise CheckFailed(f"{exercise}: {world} ranks, step {step}: rank {r}'s chunk {c} should be "
+                              f"{expected[r][c].tolist()}, got {got[r][c].tolist()}; hint: {hint}")
+    return _passed(exercise, len(cases))
+
+
+# ----------------------------------------------------------------------------- lab 05: the 1F1B order
+
+
+def check_1f1b_order(fn: Callable[[int, int, int], list[tuple[str, int]]]) -> str:
+    """Lab 05: fn(stage, stages, microbatches) is the (kind, micro-batch) order one stage runs under 1F1B."""
+    exercise = "exercise 05.1 (the 1F1B order)"
+    cases = [(0, 2, 4), (1, 2, 4), (0, 4, 8), (2, 4, 8), (3, 4, 8), (0, 4, 2), (0, 1, 3)]
+    for stage, stages, m in cases:
+        expected = pipeline.schedule_order("1f1b", stage, stages, m)
+        got = _call(exercise, fn, stage, stages, m)
+        got = [tuple(x) for x in got] if isinstance(got, (list, tuple)) else got
+        if got != expected:
+            if got == pipeline.schedule_order("gpipe", stage, stages, m):
+                hint = "that is GPipe (all forwards first); 1F1B starts backwards after a few warm-up forwards"
+            elif isinstance(got, list) and sorted(got) != sorted(expected):
+                hint = f"every micro-batch runs exactly one forward ('F', i) and one backward ('B', i), i < {m}"
+            else:
+                hint = (f"stage s of p warms up with min(m, p − s) forwards (here {min(m, stages - stage)}), then "
+                        "alternates one backward and one forward, then runs the remaining backwards")
+            raise CheckFailed(f"{exercise}: stage {stage} of {stages}, {m} micro-batches: expected {expected}, "
+                              f"got {got}; hint: {hint}")
+    return _passed(exercise, len(cases))
+
+
+# ----------------------------------------------------------------------------- lab 07: one GPTQ column
+
+
+def _column_case(seed: int, rows: int = 6, cols: int = 5, bits: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(cols, 64, generator=g)
+    x[1] += 0.9 * x[0]  # correlated inputs: the error update matters
+    u = quant._inverse_hessian_factor(2 * x @ x.T / 64, 0.01)
+    block = torch.randn(rows, cols, generator=g)
+    scale, zero = quant.grid(block, quant.QuantConfig(bits=bits, group_size=-1))
+    block[0, 0] = 3 * block[0].abs().max()  # beyond the grid: the code must be clamped
+    return block, u, scale, zero, 2**bits - 1
+
+
+def check_gptq_column(fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> str:
+    """Lab 07: fn(block, i, u, scale, zero, maxq) rounds column i, updates the columns after it in place,
+    and returns (codes, error / u[i, i])."""
+    exercise = "exercise 07.1 (one GPTQ column)"
+    cases = [(0, 0), (1, 1), (2, 4), (3, 2)]  # (seed, column); column 4 is the last: nothing to update
+    for seed, i in cases:
+        block, u, scale, zero, maxq = _column_case(seed)
+        expected_block = block.clone()
+        expected_q, expected_err = quant.quantize_column(expected_block, i, u, scale, zero, maxq)
+        got_block = block.clone()
+        result = _call(exercise, fn, got_block, i, u, scale.clone(), zero.clone(), maxq)
+        if not isinstance(result, (tuple, list)) or len(result) != 2:
+            raise CheckFailed(f"{exercise}: return a pair (codes, error), got {type(result).__name__}")
+        q, err = result
+        where = f"column {i} of a {tuple(block.shape)} block, {maxq + 1}-level grid"
+        if not torch.equal(torch.as_tensor(q, dtype=expected_q.dtype), expected_q):
+            hint = ("clamp the codes to [0, maxq]: a weight beyond the grid's range takes the end code"
+                    if torch.equal(torch.as_tensor(q, dtype=expected_q.dtype),
+                                   torch.round(block[:, i] / scale) + zero) else
+                    "code = round(w / scale) + zero, clamped to [0, maxq], from column i as updated so far")
+            raise CheckFailed(f"{exercise}: {where}: codes should be {expected_q.tolist()}, got "
+                              f"{torch.as_tensor(q).tolist()}; hint: {hint}")
+        if not torch.allclose(torch.as_tensor(err), expected_err, atol=1e-6):
+            hint = ("divide the rounding error by the pivot u[i, i]"
+                    if torch.allclose(torch.as_tensor(err), expected_err * u[i, i], atol=1e-6) else
+                    "the error is w minus its dequantized value scale · (code − zero), divided by u[i, i]")
+            raise CheckFailed(f"{exercise}: {where}: error should be {expected_err.tolist()}, got "
+                              f"{torch.as_tensor(err).tolist()}; hint: {hint}")
+        if not torch.allclose(got_block, expected_block, atol=1e-6):
+            if torch.allclose(got_block[:, i + 1:], block[:, i + 1:]):
+                hint = "update the columns after i in place: block[:, i+1:] -= outer(error, u[i, i+1:])"
+            elif torch.allclose(got_block[:, i + 1:] - block[:, i + 1:], block[:, i + 1:] - expected_block[:, i + 1:],
+                                atol=1e-6):
+                hint = "subtract the error's share from the later columns; you added it"
+            else:
+                hint = "weight the error by row i of u, from column i + 1 on: u[i, i+1:]"
+            raise CheckFailed(f"{exercise}: {where}: the columns after {i} are wrong (largest difference "
+                              f"{(got_block - expected_block).abs().max():.3g}); hint: {hint}")
     return _passed(exercise, len(cases))
 
 

@@ -19,6 +19,29 @@ def bubble_formula(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
+def schedule_order(schedule: str, stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
+    """The (kind, micro-batch) sequence one stage runs: GPipe all F then all B; 1F1B (as torch's
+    Schedule1F1B) min(m, p − stage) warm-up forwards, then alternating B/F, then the remaining Bs."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if not 0 <= stage < stages or microbatches < 1:
+        raise ValueError(f"need 0 <= stage < stages and microbatches >= 1, got {stage}, {stages}, {microbatches}")
+    if schedule == "gpipe":
+        return [("F", i) for i in range(microbatches)] + [("B", i) for i in range(microbatches)]
+    warmup = min(microbatches, stages - stage)
+    order = [("F", i) for i in range(warmup)]
+    for i in range(microbatches):
+        order.append(("B", i))
+        if warmup + i < microbatches:
+            order.append(("F", warmup + i))
+    return order
+
+
+def executed_order(events: list[dict[str, Any]], rank: int) -> list[tuple[str, int]]:
+    """The (kind, micro-batch) sequence a rank actually ran, from `record_events`."""
+    return [(e["kind"], e["microbatch"]) for e in sorted(events, key=lambda e: e["start"]) if e["rank"] == rank]
+
+
 def layer_ranges(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
     """Contiguous, near-equal blocks of decoder layers, one per stage."""
     if not 1 <= num_stages <= num_layers:

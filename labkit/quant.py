@@ -101,6 +101,11 @@ class QuantizedWeight:
         zeros = self.zeros.float()[self.g_idx.long()].T
         return (scales * (self.codes.float() - zeros)).to(dtype)
 
+    def rows(self, start: int, stop: int) -> "QuantizedWeight":
+        """Output rows start:stop with their scales and zeros, as tensors of their own (not views)."""
+        return QuantizedWeight(self.codes[start:stop].clone(), self.scales[:, start:stop].clone(),
+                               self.zeros[:, start:stop].clone(), self.g_idx.clone(), self.bits)
+
 
 def grid(w: torch.Tensor, cfg: QuantConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row scale and zero point whose grid spans the row's range (and 0), as checkpoints store them.
@@ -179,6 +184,17 @@ def _inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:
     return torch.linalg.cholesky(torch.cholesky_inverse(factor), upper=True)
 
 
+def quantize_column(block: torch.Tensor, i: int, u: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                    maxq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ's inner step: round column i of `block` to the grid, then subtract its error, divided by the
+    pivot u[i, i] and weighted by row i of the inverse-Hessian factor, from the columns after it (in place).
+    Returns the codes of column i and the scaled error (kept for the lazy update of later blocks)."""
+    q = torch.clamp(torch.round(block[:, i] / scale) + zero, 0, maxq)
+    err = (block[:, i] - scale * (q - zero)) / u[i, i]
+    block[:, i + 1:].addr_(err, u[i, i + 1:], alpha=-1)
+    return q, err
+
+
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: QuantConfig) -> QuantizedWeight:
     """GPTQ on one weight [out, in] given its inputs' Hessian [in, in]; returns codes, scales, zeros, g_idx.
 
@@ -215,11 +231,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: QuantConfig)
                 scale, zero = grid(wb[:, i:i + width] if cfg.group_size != -1 else w, cfg)
                 scales.append(scale)
                 zeros.append(zero)
-            q = torch.clamp(torch.round(wb[:, i] / scale) + zero, 0, cfg.maxq)
-            codes[:, col] = q
-            err = (wb[:, i] - scale * (q - zero)) / ub[i, i]
-            wb[:, i + 1:].addr_(err, ub[i, i + 1:], alpha=-1)  # push the error onto the columns to come
-            errors[:, i] = err
+            codes[:, col], errors[:, i] = quantize_column(wb, i, ub, scale, zero, cfg.maxq)
         w[:, b1:] -= errors @ u[b0:b1, b1:]
 
     inverse = torch.argsort(perm).cpu()
@@ -449,7 +461,7 @@ def quantize_model(
                     if isinstance(m, nn.Linear):
                         t0 = time.perf_counter()
                         q = quantize_rtn(m.weight, cfg)
-                        _store(result, f"{prefix}.{i}.{name}", m, q, None, None, t0)
+                        _store(result, f"{prefix}.{i}.{name}", m, q, None, None, time.perf_counter() - t0)
         else:
             _gptq_blocks(result, layers, prefix, calibration, batch_size, progress)
     finally:
@@ -463,7 +475,7 @@ def _layers_prefix(model: nn.Module, layers: nn.ModuleList) -> str:
 
 
 def _store(result: QuantizedModel, name: str, module: nn.Linear, q: QuantizedWeight,
-           hessian: torch.Tensor | None, rtn: QuantizedWeight | None, t0: float) -> None:
+           hessian: torch.Tensor | None, rtn: QuantizedWeight | None, seconds: float) -> None:
     """Write the dequantized weight into the module and record the codes and the errors."""
     original = module.weight.detach()
     deq = q.dequantize().to(original.device)
@@ -471,7 +483,7 @@ def _store(result: QuantizedModel, name: str, module: nn.Linear, q: QuantizedWei
     rtn_err = hessian_error(original, rtn.dequantize().to(original.device), hessian) if rtn is not None else None
     module.weight.data = deq.to(original.dtype)
     result.weights[name] = q
-    result.layers.append(LayerRecord(name, tuple(original.shape), err, rtn_err, time.perf_counter() - t0))
+    result.layers.append(LayerRecord(name, tuple(original.shape), err, rtn_err, seconds))
 
 
 @torch.no_grad()
@@ -486,11 +498,18 @@ def _gptq_blocks(result: QuantizedModel, layers: nn.ModuleList, prefix: str, cal
             named = dict(block.named_modules())
             for group in _sequential_groups(block, inputs[0], kwargs_list[0]):
                 hessian, _ = _input_hessian(block, named[group[0]], inputs, kwargs_list)
-                for name in group:  # the layers of a group read the same input: one Hessian serves all
-                    bar.set_postfix_str(f"{i}.{name}")
-                    m, t0 = named[name], time.perf_counter()
-                    q = gptq_quantize(m.weight, hessian, cfg)
-                    _store(result, f"{prefix}.{i}.{name}", m, q, hessian, quantize_rtn(m.weight, cfg), t0)
+                # The layers of a group read the same input: one Hessian serves all, and since GPTQ treats
+                # every output row alone given H, one pass over their stacked rows quantizes them all.
+                bar.set_postfix_str(f"{i}.{'+'.join(n.rsplit('.', 1)[-1] for n in group)}")
+                modules, t0 = [named[n] for n in group], time.perf_counter()
+                stacked = gptq_quantize(torch.cat([m.weight for m in modules]), hessian, cfg)
+                share = (time.perf_counter() - t0) / stacked.codes.shape[0]  # seconds per row
+                start = 0
+                for name, m in zip(group, modules):
+                    rows = m.weight.shape[0]
+                    _store(result, f"{prefix}.{i}.{name}", m, stacked.rows(start, start + rows), hessian,
+                           quantize_rtn(m.weight, cfg), share * rows)
+                    start += rows
                     bar.update()
             inputs = [_block_output(block(x, **kw)) for x, kw in zip(inputs, kwargs_list)]
     finally:

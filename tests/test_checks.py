@@ -3,10 +3,12 @@ wrong answers with a message that says what to fix."""
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import torch
 
-from labkit import checks, precision, prune, tokenizer, train
+from labkit import bench, checks, distributed, pipeline, precision, prune, quant, tokenizer, train
 
 
 def stub(*args):
@@ -129,3 +131,144 @@ def test_lora_forward_check_passes_the_reference():
 def test_lora_forward_check_explains_wrong_answers(wrong, hint):
     with pytest.raises(checks.CheckFailed, match=hint):
         checks.check_lora_forward(wrong)
+
+
+# ----------------------------------------------------------------------------- lab 00
+
+
+def median_time(work, sync, clock, warmup, repeats):
+    return bench.time_fn(work, warmup=warmup, repeats=repeats, clock=clock, sync=sync).median
+
+
+def test_median_time_check_passes_the_reference():
+    assert "passed" in checks.check_median_time(median_time)
+
+
+def timer_variant(sync_before=True, sync_after=True, reduce=statistics.median):
+    def timer(work, sync, clock, warmup, repeats):
+        for _ in range(warmup):
+            work()
+        times = []
+        for _ in range(repeats):
+            if sync_before:
+                sync()
+            start = clock()
+            work()
+            if sync_after:
+                sync()
+            times.append(clock() - start)
+        return reduce(times)
+    return timer
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (timer_variant(sync_before=False, sync_after=False), "call sync"),
+    (timer_variant(reduce=statistics.mean), "median, not the mean"),
+    (timer_variant(sync_before=False), "sync\\(\\) before the start"),
+    (lambda work, sync, clock, warmup, repeats: median_time(work, sync, clock, 0, repeats), "times"),
+])
+def test_median_time_check_explains_wrong_answers(wrong, hint):
+    with pytest.raises(checks.CheckFailed, match=hint):
+        checks.check_median_time(wrong)
+
+
+# ----------------------------------------------------------------------------- lab 04
+
+
+def test_reduce_scatter_check_passes_the_reference():
+    assert "passed" in checks.check_reduce_scatter_step(distributed.ring_step)
+
+
+def step_overwriting(chunks, step):
+    world = len(chunks)
+    out = [list(row) for row in chunks]
+    for r in range(world):
+        c = (r - step) % world
+        out[(r + 1) % world][c] = chunks[r][c]
+    return out
+
+
+def step_leftwards(chunks, step):
+    world = len(chunks)
+    out = [list(row) for row in chunks]
+    for r in range(world):
+        c = (r - step) % world
+        out[(r - 1) % world][c] = chunks[(r - 1) % world][c] + chunks[r][c]
+    return out
+
+
+def step_wrong_chunk(chunks, step):
+    world = len(chunks)
+    out = [list(row) for row in chunks]
+    for r in range(world):
+        c = (r + step) % world
+        out[(r + 1) % world][c] = chunks[(r + 1) % world][c] + chunks[r][c]
+    return out
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (step_overwriting, "adds the incoming chunk"),
+    (step_leftwards, "to rank \\(r \\+ 1\\) mod p"),
+    (step_wrong_chunk, "sends chunk \\(r − s\\) mod p"),
+    (lambda chunks, step: chunks[:-1], "one list of"),
+])
+def test_reduce_scatter_check_explains_wrong_answers(wrong, hint):
+    with pytest.raises(checks.CheckFailed, match=hint):
+        checks.check_reduce_scatter_step(wrong)
+
+
+# ----------------------------------------------------------------------------- lab 05
+
+
+def test_1f1b_check_passes_the_reference():
+    assert "passed" in checks.check_1f1b_order(lambda s, p, m: pipeline.schedule_order("1f1b", s, p, m))
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda s, p, m: pipeline.schedule_order("gpipe", s, p, m), "that is GPipe"),
+    (lambda s, p, m: pipeline.schedule_order("1f1b", min(s + 1, p - 1), p, m), "min\\(m, p − s\\) forwards"),
+    (lambda s, p, m: [("F", i) for i in range(m)], "exactly one forward"),
+])
+def test_1f1b_check_explains_wrong_answers(wrong, hint):
+    with pytest.raises(checks.CheckFailed, match=hint):
+        checks.check_1f1b_order(wrong)
+
+
+# ----------------------------------------------------------------------------- lab 07
+
+
+def test_gptq_column_check_passes_the_reference():
+    assert "passed" in checks.check_gptq_column(quant.quantize_column)
+
+
+def column_variant(clamp=True, pivot=True, update=True, sign=-1):
+    def fn(block, i, u, scale, zero, maxq):
+        q = torch.round(block[:, i] / scale) + zero
+        if clamp:
+            q = q.clamp(0, maxq)
+        err = block[:, i] - scale * (q - zero)
+        if pivot:
+            err = err / u[i, i]
+        if update:
+            block[:, i + 1:] += sign * torch.outer(err, u[i, i + 1:])
+        return q, err
+    return fn
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (column_variant(clamp=False), "clamp the codes"),
+    (column_variant(pivot=False), "divide the rounding error by the pivot"),
+    (column_variant(update=False), "update the columns after i in place"),
+    (column_variant(sign=+1), "you added it"),
+    (lambda *args: quant.quantize_column(*args)[0], "return a pair"),
+])
+def test_gptq_column_check_explains_wrong_answers(wrong, hint):
+    with pytest.raises(checks.CheckFailed, match=hint):
+        checks.check_gptq_column(wrong)
+
+
+@pytest.mark.parametrize("check", [checks.check_median_time, checks.check_reduce_scatter_step,
+                                   checks.check_1f1b_order, checks.check_gptq_column])
+def test_new_checks_report_a_stub_as_not_written_yet(check):
+    with pytest.raises(checks.CheckFailed, match="not written yet"):
+        check(stub)

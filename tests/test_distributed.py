@@ -35,6 +35,46 @@ def test_from_scratch_data_parallel_equals_torch_ddp(results):
         assert r["bucketed_vs_ddp"] < 1e-12 and r["buckets"] > 1  # several buckets were exercised
 
 
+def test_ring_all_reduce_from_sends_equals_the_library_all_reduce(results):
+    res, _ = results
+    for r in res:
+        assert r["ring_elements"] == 1001 and r["ring_vs_all_reduce"] < 1e-12
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_simulated_ring_leaves_the_sum_on_every_rank(world):
+    tensors = [torch.randn(7, 3, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    total = torch.stack(tensors).sum(0)
+    for out in distributed.simulate_ring_all_reduce(tensors):
+        assert out.shape == (7, 3)
+        torch.testing.assert_close(out, total)
+
+
+def test_ring_steps_send_each_chunk_once_per_phase():
+    world = 4
+    for phase in (range(0, world - 1), range(world - 1, 2 * (world - 1))):
+        for rank in range(world):
+            sent = [distributed.ring_send_chunk(rank, world, s) for s in phase]
+            assert len(set(sent)) == world - 1  # p − 1 different chunks: 2(p − 1)/p of the data in all
+    with pytest.raises(ValueError, match="steps 0..5"):
+        distributed.ring_send_chunk(0, world, 6)
+
+
+def test_after_reduce_scatter_rank_r_holds_the_sum_of_chunk_r_plus_1():
+    world = 3
+    chunks = [[torch.tensor([float(10 * r + c)]) for c in range(world)] for r in range(world)]
+    for step in range(world - 1):
+        chunks = distributed.ring_step(chunks, step)
+    for r in range(world):
+        c = (r + 1) % world
+        assert chunks[r][c].item() == sum(10 * q + c for q in range(world))
+
+
+def test_simulated_ring_refuses_mismatched_inputs():
+    with pytest.raises(ValueError, match="same shape"):
+        distributed.simulate_ring_all_reduce([torch.zeros(3), torch.zeros(4)])
+
+
 def test_a_failing_rank_ends_the_job_with_its_own_error():
     start = time.time()
     with pytest.raises(distributed.RankError, match=r"rank1 of dp_parity.py failed(.|\n)*ValueError: boom from rank 1"):

@@ -82,6 +82,8 @@ def test_timeline_has_the_shape_of_the_schedule(run):
             (k, m) for k in "FB" for m in range(4))
     first = sorted(res[0]["events"], key=lambda e: e["start"])
     kinds = "".join(e["kind"] for e in first)
+    for r in res:  # what torch ran is what schedule_order says
+        assert pipeline.executed_order(r["events"], r["rank"]) == pipeline.schedule_order(schedule, r["rank"], 2, 4)
     if schedule == "gpipe":
         assert kinds == "FFFFBBBB"  # all forwards, then all backwards
     else:
@@ -90,6 +92,29 @@ def test_timeline_has_the_shape_of_the_schedule(run):
     assert in_flight == (4 if schedule == "gpipe" else 2)  # GPipe holds m micro-batches, 1F1B about p
     fig = pipeline.plot_timeline([e for r in res for e in r["events"]])
     assert len(fig.axes[0].patches) == 16
+
+
+@pytest.mark.parametrize("stages,m", [(2, 4), (4, 4), (4, 8), (3, 2)])
+def test_1f1b_order_runs_every_microbatch_once_and_holds_at_most_warmup_in_flight(stages, m):
+    for stage in range(stages):
+        order = pipeline.schedule_order("1f1b", stage, stages, m)
+        assert sorted(order) == sorted((k, i) for k in "FB" for i in range(m))
+        held = peak = 0
+        for kind, i in order:
+            assert kind == "F" or ("F", i) in order[: order.index((kind, i))]  # backward after its forward
+            held += 1 if kind == "F" else -1
+            peak = max(peak, held)
+        assert peak == min(m, stages - stage)
+    assert pipeline.schedule_order("1f1b", 0, 2, 4) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3),
+                                                         ("B", 2), ("B", 3)]
+    assert pipeline.schedule_order("gpipe", 1, 2, 2) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+
+
+def test_schedule_order_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        pipeline.schedule_order("zero-bubble", 0, 2, 4)
+    with pytest.raises(ValueError, match="0 <= stage < stages"):
+        pipeline.schedule_order("1f1b", 2, 2, 4)
 
 
 def test_1f1b_with_too_few_microbatches_is_refused():

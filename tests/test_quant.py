@@ -443,3 +443,19 @@ def test_library_failures_show_the_held_back_log():
         with quant._quiet("demo"):
             print("banner line")
             raise ValueError("boom")
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_layers_sharing_an_input_quantize_stacked_as_each_alone(act_order):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 512, generator=g)
+    x[1] += x[0]
+    h = 2 * x @ x.T / 512
+    a, b = torch.randn(8, 64, generator=g), torch.randn(4, 64, generator=g)
+    cfg = QuantConfig(bits=4, group_size=16, act_order=act_order)
+    both = quant.gptq_quantize(torch.cat([a, b]), h, cfg)
+    for w, part in ((a, both.rows(0, 8)), (b, both.rows(8, 12))):
+        alone = quant.gptq_quantize(w, h, cfg)
+        assert torch.equal(part.codes, alone.codes) and torch.equal(part.g_idx, alone.g_idx)
+        assert torch.equal(part.zeros, alone.zeros)
+        torch.testing.assert_close(part.scales, alone.scales)

@@ -1,11 +1,12 @@
-"""Time one all-reduce per buffer size across the ranks of a torchrun job (gloo on CPU, NCCL on GPU).
+"""Time one all-reduce per buffer size across the ranks of a torchrun job (gloo on CPU, NCCL on GPU):
+the library's, and labkit's ring built from point-to-point sends, side by side.
 
     torchrun --standalone --nproc_per_node=2 labs/scripts/allreduce_bench.py --megabytes 1 4 16 64
 """
 
 import argparse
 
-from labkit.distributed import rank_context, save_result, time_all_reduce
+from labkit.distributed import rank_context, ring_all_reduce_, save_result, time_all_reduce
 
 
 def main() -> None:
@@ -17,7 +18,8 @@ def main() -> None:
         rows = []
         for mb in args.megabytes:
             numel = int(mb * 2**20 / 4)  # fp32
-            rows.append({"bytes": numel * 4, "seconds": time_all_reduce(numel, device, args.repeats)})
+            rows.append({"bytes": numel * 4, "seconds": time_all_reduce(numel, device, args.repeats),
+                         "ring_seconds": time_all_reduce(numel, device, args.repeats, all_reduce=ring_all_reduce_)})
         save_result({"rank": rank, "world": world, "device": str(device), "rows": rows})
 
 

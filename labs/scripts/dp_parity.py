@@ -10,10 +10,11 @@ import hashlib
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from labkit.distributed import BucketedDataParallel, all_reduce_gradients, rank_context, save_result
+from labkit.distributed import BucketedDataParallel, all_reduce_gradients, rank_context, ring_all_reduce_, save_result
 from labkit.models import tiny_llama
 
 
@@ -55,8 +56,15 @@ def main() -> None:
         bucketed = BucketedDataParallel(bucketed_model, bucket_mb=0.02)
         loss_of(bucketed_model, mine).backward()
         bucketed.finish()
+        # The ring all-reduce built from point-to-point sends against the library's, on different values
+        # per rank (an odd length, so the chunks are uneven).
+        ring = torch.randn(1001, dtype=torch.float64, generator=torch.Generator().manual_seed(rank)).to(device)
+        library = ring.clone()
+        ring_all_reduce_(ring)
+        dist.all_reduce(library)
         result = {
-            "rank": rank, "world": world, "buckets": len(bucketed.buckets),
+            "rank": rank, "world": world, "buckets": len(bucketed.buckets), "ring_elements": ring.numel(),
+            "ring_vs_all_reduce": (ring - library).abs().max().item(),
             "ddp_vs_single_batch": (grads(ddp.module) - grads(ref)).abs().max().item(),
             "naive_vs_ddp": (grads(naive) - grads(ddp.module)).abs().max().item(),
             "bucketed_vs_ddp": (grads(bucketed_model) - grads(ddp.module)).abs().max().item(),

@@ -1,0 +1,154 @@
+"""Expected results: the range each lab's headline numbers should fall in, per device profile.
+
+One table for the whole course, measured on the reference machines named in `REFERENCE`. A lab ends by
+calling `check(lab, measured)`: it prints measured against expected and fails on a quality figure
+(loss, perplexity, error, accuracy) outside its range. Speed figures depend on the hardware, so a
+miss there is reported, never failed. A profile without recorded figures (`gpu`, until a GPU run is
+recorded here) prints the measurements for comparison with the README and checks nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from labkit import profiles
+
+
+@dataclass(frozen=True)
+class Range:
+    """Inclusive bounds for one figure; `speed` figures are reported when outside, not failed."""
+
+    low: float
+    high: float
+    speed: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.low <= self.high:
+            raise ValueError(f"empty range: low {self.low} > high {self.high}")
+
+    def __contains__(self, value: float) -> bool:
+        return self.low <= value <= self.high
+
+
+class ExpectationFailed(AssertionError):
+    """A quality figure fell outside its expected range."""
+
+
+REFERENCE = {
+    "smoke": "2-core Intel Xeon VM (AMX, AVX512-BF16), torch 2.13 CPU build: the CI machine",
+    "cpu": "2-core Intel Xeon VM (AMX, AVX512-BF16), torch 2.13 CPU build",
+}
+
+def quality(low: float, high: float) -> Range:
+    """A figure the code decides (loss, error, perplexity): outside its range is a failure."""
+    return Range(low, high)
+
+
+def speed(low: float, high: float) -> Range:
+    """A figure the hardware decides (time, throughput): outside its range is reported only."""
+    return Range(low, high, speed=True)
+
+
+EXPECTED: dict[str, dict[str, dict[str, Range]]] = {
+    "00": {
+        "smoke": {"perplexity": quality(18.4, 19.0)},
+        "cpu": {"perplexity": quality(17.7, 18.1), "best fp32 matmul TFLOP/s": speed(0.2, 0.45)},
+    },
+    "01": {
+        "smoke": {"bytes per token, own BPE (largest vocab)": quality(1.95, 2.07),
+                  "bytes per token, SmolLM2": quality(4.58, 4.66), "merges identical to tokenizers": quality(1, 1)},
+        "cpu": {"bytes per token, own BPE (largest vocab)": quality(4.44, 4.54),
+                "bytes per token, SmolLM2": quality(4.58, 4.66), "merges identical to tokenizers": quality(1, 1)},
+    },
+    "02": {
+        "smoke": {"final loss, fp32": quality(10.4, 10.8), "final loss, bf16": quality(10.4, 10.8),
+                  "final loss difference bf16 - fp32": quality(-0.05, 0.05)},
+        "cpu": {"final loss, fp32": quality(7.2, 7.6), "final loss, bf16": quality(7.2, 7.6),
+                "final loss difference bf16 - fp32": quality(-0.05, 0.05), "bf16 step time / fp32": speed(0.6, 0.85)},
+    },
+    "03": {
+        "smoke": {"gradient error, token-normalized": quality(0, 1e-5),
+                  "gradient error, per-micro-batch mean": quality(0.25, 0.45), "final training loss": quality(10.1, 10.6)},
+        "cpu": {"gradient error, token-normalized": quality(0, 1e-5),
+                "gradient error, per-micro-batch mean": quality(0.25, 0.45), "final training loss": quality(6.6, 7.1)},
+    },
+    "04": {
+        "smoke": {"DDP vs one process, gradient difference": quality(0, 1e-12),
+                  "bucketed vs DDP, gradient difference": quality(0, 1e-12),
+                  "ring vs dist.all_reduce, difference": quality(0, 1e-12)},
+        "cpu": {"DDP vs one process, gradient difference": quality(0, 1e-12),
+                "bucketed vs DDP, gradient difference": quality(0, 1e-12),
+                "ring vs dist.all_reduce, difference": quality(0, 1e-12), "scaling efficiency, 2 ranks": speed(0.75, 1.0)},
+    },
+    "05": {
+        "smoke": {"pipeline vs unsplit, loss difference": quality(0, 1e-6),
+                  "tensor-parallel vs unsplit MLP, output difference": quality(0, 1e-5)},
+        "cpu": {"pipeline vs unsplit, loss difference": quality(0, 1e-6),
+                "tensor-parallel vs unsplit MLP, output difference": quality(0, 1e-5),
+                "bubble, GPipe, 4 micro-batches": speed(0.2, 0.32)},
+    },
+    "06": {
+        "smoke": {"perplexity, dense": quality(18.4, 19.0), "perplexity, 50 % unstructured per layer": quality(490, 610),
+                  "perplexity, 2:4": quality(3200, 4000)},
+        "cpu": {"perplexity, dense": quality(17.7, 18.1), "perplexity, 50 % unstructured per layer": quality(520, 640),
+                "perplexity, 2:4": quality(2100, 2650)},
+    },
+    "07": {
+        "smoke": {"perplexity, fp32": quality(18.4, 19.0), "perplexity, GPTQ 4-bit g64": quality(25.0, 27.8),
+                  "perplexity, RTN 4-bit g64": quality(27.8, 29.4)},
+        "cpu": {"perplexity, fp32": quality(17.7, 18.1), "perplexity, GPTQ 4-bit g64": quality(25.5, 27.8),
+                "perplexity, RTN 4-bit g64": quality(26.0, 28.0)},
+    },
+    "08": {
+        "smoke": {"answer loss, base model": quality(2.25, 2.4), "answer loss, full fine-tune": quality(0.45, 0.72),
+                  "answer loss, LoRA r=8 q,v": quality(1.85, 2.15)},
+        "cpu": {"answer loss, base model": quality(2.3, 2.45), "answer loss, full fine-tune": quality(0.38, 0.5),
+                "answer loss, LoRA r=8 q,v": quality(0.4, 0.52), "exact match, base model": quality(0.0, 0.05),
+                "exact match, full fine-tune": quality(0.5, 0.85), "exact match, LoRA r=8 q,v": quality(0.5, 0.9)},
+    },
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One figure: measured value against its range (None where the profile has no reference)."""
+
+    metric: str
+    value: float
+    expected: Range | None
+
+    @property
+    def ok(self) -> bool | None:
+        return None if self.expected is None else self.value in self.expected
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.3g}" if x == 0 or 1e-3 <= abs(x) < 1e5 else f"{x:.1e}"
+
+
+def check(lab: str, measured: dict[str, float], profile: str | None = None) -> list[Row]:
+    """Print `measured` against the expected ranges of `lab` on `profile`; raise on a quality miss."""
+    if lab not in EXPECTED:
+        raise ValueError(f"no expected results for lab {lab!r}; known: {', '.join(EXPECTED)}")
+    name = profile or profiles.get_profile().name
+    table = EXPECTED[lab].get(name)
+    rows = [Row(k, float(v), None if table is None else table.get(k)) for k, v in measured.items()]
+    if table is None:
+        print(f"No reference figures recorded for profile {name!r} yet: compare these with the README.")
+    else:
+        print(f"Expected results, profile {name!r} (reference: {REFERENCE[name]}):")
+    width = max(len(m) for m in [*measured, *(table or {})])
+    for r in rows:
+        if r.expected is None:
+            print(f"  {r.metric:<{width}}  {_fmt(r.value):>9}")
+            continue
+        verdict = "ok" if r.ok else ("outside: speed depends on your hardware" if r.expected.speed else "OUTSIDE")
+        print(f"  {r.metric:<{width}}  {_fmt(r.value):>9}  expected {_fmt(r.expected.low)}–{_fmt(r.expected.high)}"
+              f"{' (speed)' if r.expected.speed else ''}  {verdict}")
+    for metric in [] if table is None else [m for m in table if m not in measured]:
+        print(f"  {metric:<{width}}  {'—':>9}  not measured on this machine")
+    failed = [r for r in rows if r.ok is False and not r.expected.speed]
+    if failed:
+        raise ExpectationFailed(f"lab {lab}, profile {name!r}: " + "; ".join(
+            f"{r.metric} = {_fmt(r.value)} not in [{_fmt(r.expected.low)}, {_fmt(r.expected.high)}]" for r in failed))
+    return rows
