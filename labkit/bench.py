@@ -353,6 +353,31 @@ def matmul_throughput(
             "flops_per_s": flops, "peak_flops_per_s": peak, "fraction_of_peak": mfu(flops, peak)}
 
 
+def next_size_fits(seconds: float, size: int, next_size: int, budget_s: float) -> bool:
+    """Whether a size×size matmul that took `seconds` predicts (time ∝ n³) that the next size fits the budget."""
+    return seconds * (next_size / size) ** 3 <= budget_s
+
+
+def matmul_sweep(
+    sizes: list[int], dtypes: list[str], *, device: str | torch.device | None = None, warmup: int = 2,
+    repeats: int = 5, budget_s: float = 1.0,
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """`matmul_throughput` over sizes (ascending) per dtype. A dtype stops growing when one product of
+    the next size would take more than `budget_s` (predicted from n³): a format this device only
+    emulates (fp16 on most CPUs) would otherwise run for many minutes. Returns (rows, what was skipped)."""
+    rows, skipped = [], []
+    for dtype in dtypes:
+        for i, size in enumerate(sorted(sizes)):
+            rows.append(matmul_throughput(size, dtype, device=device, warmup=warmup, repeats=repeats))
+            later = sorted(sizes)[i + 1:]
+            if later and not next_size_fits(rows[-1]["median_s"], size, later[0], budget_s):
+                skipped.append(f"{dtype} n >= {later[0]}: one n = {size} product took "
+                               f"{fmt_seconds(rows[-1]['median_s'])}, so n = {later[0]} would exceed {budget_s:g} s "
+                               "(no native support for this format here?)")
+                break
+    return rows, skipped
+
+
 def copy_bandwidth(
     megabytes: int, *, pinned: bool, direction: str = "h2d", device: str | torch.device = "cuda",
     warmup: int = 2, repeats: int = 5,

@@ -112,6 +112,18 @@ def test_no_peak_and_no_mfu_on_cpu():
     assert bench.mfu(5e11, 1e12) == 0.5
 
 
+def test_matmul_sweep_stops_a_dtype_whose_next_size_would_exceed_the_budget(monkeypatch):
+    def fake(size, dtype, **kwargs):  # fp16 "emulated": 10x slower than fp32
+        return {"size": size, "dtype": dtype, "median_s": size**3 * (1e-9 if dtype == "fp32" else 1e-8)}
+
+    monkeypatch.setattr(bench, "matmul_throughput", fake)
+    rows, skipped = bench.matmul_sweep([64, 256, 1024], ["fp32", "fp16"], budget_s=2.0)
+    assert [(r["dtype"], r["size"]) for r in rows] == [("fp32", 64), ("fp32", 256), ("fp32", 1024),
+                                                       ("fp16", 64), ("fp16", 256)]
+    assert len(skipped) == 1 and skipped[0].startswith("fp16 n >= 1024")
+    assert bench.next_size_fits(0.1, 512, 1024, 1.0) and not bench.next_size_fits(0.2, 512, 1024, 1.0)
+
+
 def test_matmul_throughput_on_cpu_and_its_errors():
     r = bench.matmul_throughput(32, "fp32", device="cpu", warmup=0, repeats=2)
     assert r["size"] == 32 and r["flops_per_s"] > 0 and r["peak_flops_per_s"] is None
