@@ -8,6 +8,7 @@ the student build) gets a message saying which exercise is left, not a traceback
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -145,7 +146,7 @@ def check_update_loss_scale(fn: Callable[[float, int, bool, float, float, int], 
     return _passed(exercise, len(flags))
 
 
-# ----------------------------------------------------------------------------- lab 03: accumulation
+# ----------------------------------------------------------------------------- lab 03: accumulation and the schedule
 
 
 def check_loss_divisors(fn: Callable[[list[int]], list[int]]) -> str:
@@ -165,7 +166,43 @@ def check_loss_divisors(fn: Callable[[list[int]], list[int]]) -> str:
     return _passed(exercise, len(cases))
 
 
-# ----------------------------------------------------------------------------- lab 04: a ring step
+def _cosine(step: int, steps: int, warmup: int, lr: float, min_lr: float, *, warmup_from_zero: bool = False,
+            floor: float | None = None, span_offset: int = 1) -> float:
+    """The warm-up + cosine schedule with the usual mistakes as switches (the check's wrong answers)."""
+    if step < warmup:
+        return lr * (step if warmup_from_zero else step + 1) / warmup
+    low = min_lr if floor is None else floor
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup - span_offset))
+    return low + 0.5 * (lr - low) * (1 + math.cos(math.pi * progress))
+
+
+def check_lr_at(fn: Callable[[int, int, int, float, float], float]) -> str:
+    """Lab 03: fn(step, steps, warmup_steps, lr, min_lr) is the warm-up + cosine learning rate at 0-based `step`."""
+    exercise = "exercise 03.2 (warm-up and cosine decay)"
+    configs = [(10, 3, 1e-3, 1e-4), (100, 10, 2e-3, 1e-4), (5, 0, 1.0, 0.5), (4, 4, 1.0, 0.1)]
+    mistakes = {"warm up so that step 0 already trains: lr · (step + 1) / warmup_steps, which reaches lr at "
+                "the last warm-up step": {"warmup_from_zero": True},
+                "decay to min_lr, not to 0": {"floor": 0.0},
+                "the last step must reach min_lr: progress = (step − warmup_steps) / (steps − warmup_steps − 1)":
+                {"span_offset": 0}}
+    for steps, warmup, lr, min_lr in configs:
+        cfg = train.TrainConfig(steps=steps, warmup_steps=warmup, lr=lr, min_lr=min_lr, schedule="cosine")
+        expected = [train.lr_at(step, cfg) for step in range(steps)]
+        got = [_call(exercise, fn, step, steps, warmup, lr, min_lr) for step in range(steps)]
+        bad = [i for i, (g, e) in enumerate(zip(got, expected))
+               if not isinstance(g, (int, float)) or abs(g - e) > 1e-9 * lr]
+        if bad:
+            hint = next((h for h, switch in mistakes.items()
+                         if all(isinstance(g, (int, float)) and abs(g - _cosine(i, steps, warmup, lr, min_lr, **switch))
+                                <= 1e-9 * lr for i, g in enumerate(got))),
+                        "linear warm-up to lr, then min_lr + (lr − min_lr) · (1 + cos(π · progress)) / 2")
+            i = bad[0]
+            raise CheckFailed(f"{exercise}: steps={steps}, warmup_steps={warmup}, lr={lr:g}, min_lr={min_lr:g}: "
+                              f"step {i} should get {expected[i]:.6g}, got {got[i]!r}; hint: {hint}")
+    return _passed(exercise, len(configs))
+
+
+# ----------------------------------------------------------------------------- lab 04: ring steps
 
 
 def _chunks(world: int, seed: int) -> list[list[torch.Tensor]]:
@@ -210,6 +247,34 @@ def check_reduce_scatter_step(fn: Callable[[list[list[torch.Tensor]], int], list
     return _passed(exercise, len(cases))
 
 
+def check_all_gather_step(fn: Callable[[list[list[torch.Tensor]], int], list[list[torch.Tensor]]]) -> str:
+    """Lab 04: fn(chunks, step) is one all-gather step of a ring all-reduce (step 0 … p − 2 of that phase)."""
+    exercise = "exercise 04.2 (a ring all-gather step)"
+    cases = [(2, 0), (3, 0), (3, 1), (4, 2), (5, 3)]
+    for world, step in cases:
+        chunks = _chunks(world, seed=world * 10 + step)
+        for s in range(world - 1):  # a finished reduce-scatter: rank r holds the full sum of chunk r + 1
+            chunks = distributed.ring_step(chunks, s)
+        for s in range(world - 1, world - 1 + step):
+            chunks = distributed.ring_step(chunks, s)
+        expected = distributed.ring_step(chunks, world - 1 + step)
+        got = _call(exercise, fn, [[t.clone() for t in row] for row in chunks], step)
+        if (not isinstance(got, (list, tuple)) or len(got) != world
+                or any(not isinstance(row, (list, tuple)) or len(row) != world for row in got)):
+            raise CheckFailed(f"{exercise}: return a list with one list of {world} chunks per rank ({world} ranks)")
+        bad = [(r, c) for r in range(world) for c in range(world) if not torch.equal(got[r][c], expected[r][c])]
+        if bad:
+            r, c = bad[0]
+            sent = distributed.ring_send_chunk((r - 1) % world, world, world - 1 + step)
+            hint = ("all-gather passes finished sums along: the receiver replaces its copy, it does not add"
+                    if torch.equal(got[r][c], chunks[r][c] + chunks[(r - 1) % world][c]) else
+                    f"at all-gather step s rank r sends the finished chunk (r + 1 − s) mod p to rank r + 1; "
+                    f"here rank {(r - 1) % world} sends chunk {sent}")
+            raise CheckFailed(f"{exercise}: {world} ranks, all-gather step {step}: rank {r}'s chunk {c} should be "
+                              f"{expected[r][c].tolist()}, got {got[r][c].tolist()}; hint: {hint}")
+    return _passed(exercise, len(cases))
+
+
 # ----------------------------------------------------------------------------- lab 05: the 1F1B order
 
 
@@ -234,7 +299,48 @@ def check_1f1b_order(fn: Callable[[int, int, int], list[tuple[str, int]]]) -> st
     return _passed(exercise, len(cases))
 
 
-# ----------------------------------------------------------------------------- lab 07: one GPTQ column
+# ----------------------------------------------------------------------------- lab 06: a 2:4 mask
+
+
+def _groups_topk(scores: torch.Tensor, n: int, m: int) -> torch.Tensor:
+    groups = scores.reshape(scores.shape[0], -1, m)
+    return torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, groups.topk(n, dim=-1).indices, True).view_as(scores)
+
+
+def _row_topk(scores: torch.Tensor, n: int, m: int) -> torch.Tensor:
+    k = scores.shape[1] // m * n
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, scores.topk(k, dim=-1).indices, True)
+
+
+def check_nm_mask(fn: Callable[[torch.Tensor, int, int], torch.Tensor]) -> str:
+    """Lab 06: fn(weight, n, m) is a bool keep-mask with the n largest |w| of every m consecutive inputs per row."""
+    exercise = "exercise 06.1 (an N:M mask)"
+    g = torch.Generator().manual_seed(0)
+    cases = [(torch.tensor([[0.1, -0.9, 0.5, 0.2, 3.0, -4.0, 0.0, 1.0]]), 2, 4),
+             (torch.randn(6, 16, generator=g), 2, 4), (torch.randn(4, 16, generator=g), 4, 8),
+             (torch.randn(3, 12, generator=g), 1, 4)]
+    mistakes = {"rank by magnitude |w|: a large negative weight matters as much as a large positive one":
+                lambda w, n, m: _groups_topk(w, n, m),
+                "choose within each group of m consecutive inputs, not across the whole row":
+                lambda w, n, m: _row_topk(w.abs(), n, m)}
+    for weight, n, m in cases:
+        expected = prune.nm_masks({"w": weight}, n, m)["w"]
+        got = _call(exercise, fn, weight.clone(), n, m)
+        if not isinstance(got, torch.Tensor) or got.shape != weight.shape:
+            raise CheckFailed(f"{exercise}: return a mask of the weight's shape {tuple(weight.shape)}, "
+                              f"got {getattr(got, 'shape', type(got).__name__)}")
+        if got.dtype != torch.bool:
+            raise CheckFailed(f"{exercise}: return a bool mask (True = keep), got dtype {got.dtype}")
+        if not torch.equal(got, expected):
+            row = int((got != expected).any(dim=1).nonzero()[0])
+            hint = next((h for h, wrong in mistakes.items() if torch.equal(wrong(weight, n, m), got)),
+                        f"keep exactly n = {n} weights, the largest |w|, in every group of m = {m}")
+            raise CheckFailed(f"{exercise}: {n}:{m} mask of row {row} = {[round(v, 3) for v in weight[row].tolist()]} "
+                              f"should be {expected[row].int().tolist()}, got {got[row].int().tolist()}; hint: {hint}")
+    return _passed(exercise, len(cases))
+
+
+# ----------------------------------------------------------------------------- lab 07: one GPTQ column, packed codes
 
 
 def _column_case(seed: int, rows: int = 6, cols: int = 5, bits: int = 3):
@@ -289,48 +395,30 @@ def check_gptq_column(fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> s
     return _passed(exercise, len(cases))
 
 
-# ----------------------------------------------------------------------------- lab 06: a 2:4 mask
-
-
-def _groups_topk(scores: torch.Tensor, n: int, m: int) -> torch.Tensor:
-    groups = scores.reshape(scores.shape[0], -1, m)
-    return torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, groups.topk(n, dim=-1).indices, True).view_as(scores)
-
-
-def _row_topk(scores: torch.Tensor, n: int, m: int) -> torch.Tensor:
-    k = scores.shape[1] // m * n
-    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, scores.topk(k, dim=-1).indices, True)
-
-
-def check_nm_mask(fn: Callable[[torch.Tensor, int, int], torch.Tensor]) -> str:
-    """Lab 06: fn(weight, n, m) is a bool keep-mask with the n largest |w| of every m consecutive inputs per row."""
-    exercise = "exercise 06.1 (an N:M mask)"
+def check_pack_nibbles(fn: Callable[[list[int]], list[int]]) -> str:
+    """Lab 07: fn(codes) packs 4-bit codes into 32-bit words, eight per word, code j of a word in bits 4j … 4j+3."""
+    exercise = "exercise 07.2 (packing 4-bit codes)"
     g = torch.Generator().manual_seed(0)
-    cases = [(torch.tensor([[0.1, -0.9, 0.5, 0.2, 3.0, -4.0, 0.0, 1.0]]), 2, 4),
-             (torch.randn(6, 16, generator=g), 2, 4), (torch.randn(4, 16, generator=g), 4, 8),
-             (torch.randn(3, 12, generator=g), 1, 4)]
-    mistakes = {"rank by magnitude |w|: a large negative weight matters as much as a large positive one":
-                lambda w, n, m: _groups_topk(w, n, m),
-                "choose within each group of m consecutive inputs, not across the whole row":
-                lambda w, n, m: _row_topk(w.abs(), n, m)}
-    for weight, n, m in cases:
-        expected = prune.nm_masks({"w": weight}, n, m)["w"]
-        got = _call(exercise, fn, weight.clone(), n, m)
-        if not isinstance(got, torch.Tensor) or got.shape != weight.shape:
-            raise CheckFailed(f"{exercise}: return a mask of the weight's shape {tuple(weight.shape)}, "
-                              f"got {getattr(got, 'shape', type(got).__name__)}")
-        if got.dtype != torch.bool:
-            raise CheckFailed(f"{exercise}: return a bool mask (True = keep), got dtype {got.dtype}")
-        if not torch.equal(got, expected):
-            row = int((got != expected).any(dim=1).nonzero()[0])
-            hint = next((h for h, wrong in mistakes.items() if torch.equal(wrong(weight, n, m), got)),
-                        f"keep exactly n = {n} weights, the largest |w|, in every group of m = {m}")
-            raise CheckFailed(f"{exercise}: {n}:{m} mask of row {row} = {[round(v, 3) for v in weight[row].tolist()]} "
-                              f"should be {expected[row].int().tolist()}, got {got[row].int().tolist()}; hint: {hint}")
+    cases = [list(range(8)), [15] * 8, [0] * 16, torch.randint(0, 16, (32,), generator=g).tolist()]
+    for codes in cases:
+        expected = [w % 2**32 for w in quant.pack_rows(torch.tensor(codes)[:, None], 4)[:, 0].tolist()]
+        got = _call(exercise, fn, list(codes))
+        if not isinstance(got, (list, tuple)) or len(got) != len(codes) // 8:
+            raise CheckFailed(f"{exercise}: {len(codes)} codes make {len(codes) // 8} words, got "
+                              f"{len(got) if isinstance(got, (list, tuple)) else type(got).__name__}")
+        got = [int(w) % 2**32 for w in got]  # signed int32 or unsigned: the same 32 bits
+        if got != expected:
+            k = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
+            reversed_order = sum(c << (4 * (7 - j)) for j, c in enumerate(codes[8 * k:8 * k + 8]))
+            hint = ("that is the nibbles in reverse: code j of the word goes to bits 4j … 4j+3, so the first "
+                    "code is the lowest nibble (0x76543210 for codes 0 … 7)" if got[k] == reversed_order else
+                    "word k = Σ_j code[8k + j] << 4j for j = 0 … 7")
+            raise CheckFailed(f"{exercise}: codes {codes[8 * k:8 * k + 8]} should pack to {expected[k]:#010x}, got "
+                              f"{got[k]:#010x}; hint: {hint}")
     return _passed(exercise, len(cases))
 
 
-# ----------------------------------------------------------------------------- lab 08: the LoRA forward
+# ----------------------------------------------------------------------------- lab 08: the LoRA forward and merge
 
 
 def check_lora_forward(fn: Callable[..., torch.Tensor]) -> str:
@@ -357,3 +445,25 @@ def check_lora_forward(fn: Callable[..., torch.Tensor]) -> str:
             raise CheckFailed(f"{exercise}: wrong output for x {tuple(x.shape)}, in={d_in}, out={d_out}, r={r} "
                               f"(largest difference {(got - expected).abs().max():.3g}); hint: {hint}")
     return _passed(exercise, len(shapes))
+
+
+def check_lora_merge(fn: Callable[..., torch.Tensor]) -> str:
+    """Lab 08: fn(weight, lora_A, lora_B, alpha, r) is the merged weight W + (alpha / r) · B A."""
+    exercise = "exercise 08.2 (merging an adapter)"
+    g = torch.Generator().manual_seed(1)
+    for d_in, d_out, r in [(8, 5, 2), (16, 12, 4), (6, 6, 1)]:
+        layer = lora.LoRALinear(torch.nn.Linear(d_in, d_out), r=r, alpha=2.0 * r + 1)
+        with torch.no_grad():
+            layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=g))
+        weight, a, b = layer.base.weight.detach(), layer.lora_A.detach(), layer.lora_B.detach()
+        expected = layer.merged().weight.detach()
+        got = _call(exercise, fn, weight.clone(), a, b, layer.alpha, r)
+        if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+            raise CheckFailed(f"{exercise}: the merged weight has the base weight's shape {tuple(expected.shape)}, "
+                              f"got {getattr(got, 'shape', type(got).__name__)}")
+        if not torch.allclose(got, expected, rtol=1e-5, atol=1e-6):
+            hint = ("scale the update by alpha / r" if torch.allclose(got, weight + b @ a, atol=1e-6) else
+                    "ΔW = (alpha / r) · B @ A, of shape [out, in]; add it to W")
+            raise CheckFailed(f"{exercise}: in={d_in}, out={d_out}, r={r}: wrong merged weight (largest difference "
+                              f"{(got - expected).abs().max():.3g}); hint: {hint}")
+    return _passed(exercise, 3)

@@ -272,3 +272,91 @@ def test_gptq_column_check_explains_wrong_answers(wrong, hint):
 def test_new_checks_report_a_stub_as_not_written_yet(check):
     with pytest.raises(checks.CheckFailed, match="not written yet"):
         check(stub)
+
+
+# ----------------------------------------------------------------------------- second exercises: labs 03, 04, 07, 08
+
+
+def lr_reference(step, steps, warmup, lr, min_lr):
+    return train.lr_at(step, train.TrainConfig(steps=steps, warmup_steps=warmup, lr=lr, min_lr=min_lr, schedule="cosine"))
+
+
+def test_lr_at_check_passes_the_reference():
+    assert "passed" in checks.check_lr_at(lr_reference)
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda *a: checks._cosine(*a, warmup_from_zero=True), "step 0 already trains"),
+    (lambda *a: checks._cosine(*a, floor=0.0), "decay to min_lr, not to 0"),
+    (lambda *a: checks._cosine(*a, span_offset=0), "the last step must reach min_lr"),
+    (lambda step, steps, w, lr, mn: lr, "linear warm-up to lr, then"),
+])
+def test_lr_at_check_explains_wrong_answers(wrong, hint):
+    with pytest.raises(checks.CheckFailed, match=hint):
+        checks.check_lr_at(wrong)
+
+
+def all_gather_reference(chunks, step):
+    return distributed.ring_step(chunks, len(chunks) - 1 + step)
+
+
+def gather_adding(chunks, step):
+    world = len(chunks)
+    out = [list(row) for row in chunks]
+    for r in range(world):
+        c = (r + 1 - step) % world
+        out[(r + 1) % world][c] = chunks[(r + 1) % world][c] + chunks[r][c]
+    return out
+
+
+def test_all_gather_check_passes_the_reference():
+    assert "passed" in checks.check_all_gather_step(all_gather_reference)
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (gather_adding, "replaces its copy, it does not add"),
+    (lambda chunks, step: chunks, "sends the finished chunk \\(r \\+ 1 − s\\) mod p"),
+    (lambda chunks, step: chunks[1:], "one list of"),
+])
+def test_all_gather_check_explains_wrong_answers(wrong, hint):
+    with pytest.raises(checks.CheckFailed, match=hint):
+        checks.check_all_gather_step(wrong)
+
+
+def test_pack_nibbles_check_passes_the_reference_signed_or_unsigned():
+    signed = lambda codes: quant.pack_rows(torch.tensor(codes)[:, None], 4)[:, 0].tolist()  # noqa: E731
+    unsigned = lambda codes: [sum(c << 4 * j for j, c in enumerate(codes[k:k + 8])) for k in range(0, len(codes), 8)]  # noqa: E731
+    assert "passed" in checks.check_pack_nibbles(signed)
+    assert "passed" in checks.check_pack_nibbles(unsigned)
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda codes: [sum(c << 4 * (7 - j) for j, c in enumerate(codes[k:k + 8])) for k in range(0, len(codes), 8)],
+     "nibbles in reverse"),
+    (lambda codes: [sum(codes[k:k + 8]) for k in range(0, len(codes), 8)], "word k = "),
+    (lambda codes: codes, "make"),
+])
+def test_pack_nibbles_check_explains_wrong_answers(wrong, hint):
+    with pytest.raises(checks.CheckFailed, match=hint):
+        checks.check_pack_nibbles(wrong)
+
+
+def test_lora_merge_check_passes_the_reference():
+    assert "passed" in checks.check_lora_merge(lambda w, a, b, alpha, r: w + (alpha / r) * b @ a)
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda w, a, b, alpha, r: w + b @ a, "scale the update by alpha / r"),
+    (lambda w, a, b, alpha, r: w + (alpha / r) * (b @ a).T if w.shape[0] == w.shape[1] else w, "B @ A"),
+    (lambda w, a, b, alpha, r: (alpha / r) * b @ a[:, :1], "shape"),
+])
+def test_lora_merge_check_explains_wrong_answers(wrong, hint):
+    with pytest.raises(checks.CheckFailed, match=hint):
+        checks.check_lora_merge(wrong)
+
+
+@pytest.mark.parametrize("check", [checks.check_lr_at, checks.check_all_gather_step, checks.check_pack_nibbles,
+                                   checks.check_lora_merge])
+def test_second_exercise_checks_report_a_stub_as_not_written_yet(check):
+    with pytest.raises(checks.CheckFailed, match="not written yet"):
+        check(stub)
