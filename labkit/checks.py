@@ -220,6 +220,18 @@ def _step_overwriting(chunks: list[list[torch.Tensor]], step: int) -> list[list[
     return out
 
 
+def _first_wrong_chunk(exercise: str, fn: Callable, chunks: list[list[torch.Tensor]], step: int,
+                       expected: list[list[torch.Tensor]]) -> tuple[Any, tuple[int, int] | None]:
+    """Run a ring-step answer on a copy of `chunks`; return its result and the first (rank, chunk) it got wrong."""
+    world = len(chunks)
+    got = _call(exercise, fn, [[t.clone() for t in row] for row in chunks], step)
+    if (not isinstance(got, (list, tuple)) or len(got) != world
+            or any(not isinstance(row, (list, tuple)) or len(row) != world for row in got)):
+        raise CheckFailed(f"{exercise}: return a list with one list of {world} chunks per rank ({world} ranks)")
+    bad = [(r, c) for r in range(world) for c in range(world) if not torch.equal(got[r][c], expected[r][c])]
+    return got, (bad[0] if bad else None)
+
+
 def check_reduce_scatter_step(fn: Callable[[list[list[torch.Tensor]], int], list[list[torch.Tensor]]]) -> str:
     """Lab 04: fn(chunks, step) is one reduce-scatter step of a ring all-reduce (chunks[r][c]: rank r, chunk c)."""
     exercise = "exercise 04.1 (a ring reduce-scatter step)"
@@ -227,14 +239,9 @@ def check_reduce_scatter_step(fn: Callable[[list[list[torch.Tensor]], int], list
     for world, step in cases:
         chunks = _chunks(world, seed=world * 10 + step)
         expected = distributed.ring_step(chunks, step)
-        given = [[t.clone() for t in row] for row in chunks]
-        got = _call(exercise, fn, given, step)
-        if (not isinstance(got, (list, tuple)) or len(got) != world
-                or any(not isinstance(row, (list, tuple)) or len(row) != world for row in got)):
-            raise CheckFailed(f"{exercise}: return a list with one list of {world} chunks per rank ({world} ranks)")
-        bad = [(r, c) for r in range(world) for c in range(world) if not torch.equal(got[r][c], expected[r][c])]
-        if bad:
-            r, c = bad[0]
+        got, wrong_at = _first_wrong_chunk(exercise, fn, chunks, step, expected)
+        if wrong_at:
+            r, c = wrong_at
             wrong = _step_overwriting(chunks, step)
             if all(torch.equal(got[q][k], wrong[q][k]) for q in range(world) for k in range(world)):
                 hint = ("reduce-scatter adds the incoming chunk to the receiver's own copy; replacing it is "
@@ -253,18 +260,12 @@ def check_all_gather_step(fn: Callable[[list[list[torch.Tensor]], int], list[lis
     cases = [(2, 0), (3, 0), (3, 1), (4, 2), (5, 3)]
     for world, step in cases:
         chunks = _chunks(world, seed=world * 10 + step)
-        for s in range(world - 1):  # a finished reduce-scatter: rank r holds the full sum of chunk r + 1
-            chunks = distributed.ring_step(chunks, s)
-        for s in range(world - 1, world - 1 + step):
+        for s in range(world - 1 + step):  # the reduce-scatter, then the all-gather steps before this one
             chunks = distributed.ring_step(chunks, s)
         expected = distributed.ring_step(chunks, world - 1 + step)
-        got = _call(exercise, fn, [[t.clone() for t in row] for row in chunks], step)
-        if (not isinstance(got, (list, tuple)) or len(got) != world
-                or any(not isinstance(row, (list, tuple)) or len(row) != world for row in got)):
-            raise CheckFailed(f"{exercise}: return a list with one list of {world} chunks per rank ({world} ranks)")
-        bad = [(r, c) for r in range(world) for c in range(world) if not torch.equal(got[r][c], expected[r][c])]
-        if bad:
-            r, c = bad[0]
+        got, wrong_at = _first_wrong_chunk(exercise, fn, chunks, step, expected)
+        if wrong_at:
+            r, c = wrong_at
             sent = distributed.ring_send_chunk((r - 1) % world, world, world - 1 + step)
             hint = ("all-gather passes finished sums along: the receiver replaces its copy, it does not add"
                     if torch.equal(got[r][c], chunks[r][c] + chunks[(r - 1) % world][c]) else
