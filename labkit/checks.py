@@ -11,9 +11,10 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
-from labkit import bench, distributed, lora, pipeline, precision, prune, quant, tokenizer, train
+from labkit import bench, distributed, evaluate, lora, pipeline, precision, prune, quant, shards, tokenizer, train
 
 
 class CheckFailed(AssertionError):
@@ -36,7 +37,7 @@ def _passed(exercise: str, cases: int) -> str:
     return message
 
 
-# ----------------------------------------------------------------------------- lab 00: timing done right
+# ----------------------------------------------------------------------------- lab 00: timing done right, perplexity windows
 
 
 class _SimulatedGPU:
@@ -89,7 +90,31 @@ def check_median_time(fn: Callable[..., float]) -> str:
     return _passed(exercise, len(cases))
 
 
-# ----------------------------------------------------------------------------- lab 01: one BPE merge
+def check_windows(fn: Callable[[int, int, int], list[tuple[int, int, int]]]) -> str:
+    """Lab 00: fn(n_tokens, max_length, stride) lists (begin, end, n_scored) windows scoring every token after
+    the first exactly once, each window scoring only its last n_scored tokens."""
+    exercise = "exercise 00.2 (perplexity windows)"
+    cases = [(10, 4, 4), (10, 4, 2), (9, 4, 3), (3, 8, 8), (12, 6, 1), (2, 2, 2)]
+    for n, max_length, stride in cases:
+        expected = evaluate.windows(n, max_length, stride)
+        got = _call(exercise, fn, n, max_length, stride)
+        got = [tuple(w) for w in got] if isinstance(got, (list, tuple)) else got
+        if got != expected:
+            scored = sum(w[2] for w in got) if isinstance(got, list) and all(len(w) == 3 for w in got) else None
+            should = sum(w[2] for w in expected)
+            if scored is not None and scored > should:
+                hint = (f"{scored} tokens scored, {should} expected: score only what no earlier window scored "
+                        "(overlapping windows share context, not targets), and never a token without context")
+            elif scored is not None and scored < should:
+                hint = f"{scored} tokens scored, {should} expected: keep going until a window reaches the last token"
+            else:
+                hint = "windows start every `stride` tokens and end at min(begin + max_length, n_tokens)"
+            raise CheckFailed(f"{exercise}: n_tokens={n}, max_length={max_length}, stride={stride}: expected "
+                              f"{expected}, got {got}; hint: {hint}")
+    return _passed(exercise, len(cases))
+
+
+# ----------------------------------------------------------------------------- lab 01: one BPE merge, blocks
 
 
 def _merge_overlapping(word: tuple[int, ...], a: int, b: int, new: int) -> tuple[int, ...]:
@@ -120,7 +145,26 @@ def check_merge_pair(fn: Callable[[tuple[int, ...], int, int, int], tuple[int, .
     return _passed(exercise, len(cases))
 
 
-# ----------------------------------------------------------------------------- lab 02: the loss-scale update
+def check_pack_blocks(fn: Callable[[list[int], int], list[list[int]]]) -> str:
+    """Lab 01: fn(stream, block_size) cuts a token stream into full blocks, dropping the tail."""
+    exercise = "exercise 01.2 (packing a stream into blocks)"
+    cases = [(list(range(10)), 4), (list(range(8)), 4), (list(range(5)), 5), (list(range(7)), 1)]
+    for stream, size in cases:
+        expected = shards.pack_blocks(np.array(stream), size).tolist()
+        got = _call(exercise, fn, list(stream), size)
+        got = [list(b) for b in got] if isinstance(got, (list, tuple)) else got
+        if got != expected:
+            if isinstance(got, list) and got[:len(expected)] == expected and len(got) > len(expected):
+                hint = ("drop the tail that does not fill a block: a short or padded last block would put "
+                        "padding (or a different length) into every epoch")
+            else:
+                hint = "block i is stream[i · block_size : (i + 1) · block_size], one after the other, no overlap"
+            raise CheckFailed(f"{exercise}: a stream of {len(stream)} tokens in blocks of {size}: expected "
+                              f"{expected}, got {got}; hint: {hint}")
+    return _passed(exercise, len(cases))
+
+
+# ----------------------------------------------------------------------------- lab 02: the loss-scale update, what a format keeps
 
 
 def check_update_loss_scale(fn: Callable[[float, int, bool, float, float, int], tuple[float, int]]) -> str:
@@ -144,6 +188,27 @@ def check_update_loss_scale(fn: Callable[[float, int, bool, float, float, int], 
                               f"expected {expected}, got {got}; hint: {hint}")
         scale, good = expected
     return _passed(exercise, len(flags))
+
+
+def check_kept_fraction(fn: Callable[[torch.Tensor, torch.dtype, float], float]) -> str:
+    """Lab 02: fn(values, dtype, scale) is the share of non-zero values still non-zero after scaling and casting."""
+    exercise = "exercise 02.2 (what a format keeps)"
+    values = torch.tensor([1e-3, 1e-6, 1e-8, 3e-9, 1e-10, 2.0, 0.0, -5e-8])
+    cases = [(torch.float16, 1.0), (torch.float16, 2.0**10), (torch.bfloat16, 1.0), (torch.float16, 2.0**20)]
+    for dtype, scale in cases:
+        expected = precision.kept_fraction(values, dtype, scale)
+        got = _call(exercise, fn, values.clone(), dtype, scale)
+        if not isinstance(got, (int, float)) or abs(got - expected) > 1e-9:
+            unscaled = precision.kept_fraction(values, dtype, 1.0)
+            with_zero = ((values * scale).to(dtype) != 0).float().mean().item()
+            if isinstance(got, (int, float)) and abs(got - with_zero) < 1e-9:
+                hint = "count among the values that were non-zero to begin with (drop the exact zeros first)"
+            elif isinstance(got, (int, float)) and abs(got - unscaled) < 1e-9:
+                hint = "multiply by the loss scale before casting: that is what the scale is for"
+            else:
+                hint = "cast (values · scale) to the dtype and count what is still non-zero"
+            raise CheckFailed(f"{exercise}: {dtype}, scale {scale:g}: expected {expected:.4f}, got {got!r}; hint: {hint}")
+    return _passed(exercise, len(cases))
 
 
 # ----------------------------------------------------------------------------- lab 03: accumulation and the schedule
@@ -276,7 +341,7 @@ def check_all_gather_step(fn: Callable[[list[list[torch.Tensor]], int], list[lis
     return _passed(exercise, len(cases))
 
 
-# ----------------------------------------------------------------------------- lab 05: the 1F1B order
+# ----------------------------------------------------------------------------- lab 05: the 1F1B order, the bubble
 
 
 def check_1f1b_order(fn: Callable[[int, int, int], list[tuple[str, int]]]) -> str:
@@ -300,7 +365,34 @@ def check_1f1b_order(fn: Callable[[int, int, int], list[tuple[str, int]]]) -> st
     return _passed(exercise, len(cases))
 
 
-# ----------------------------------------------------------------------------- lab 06: a 2:4 mask
+def check_bubble_fraction(fn: Callable[[list[dict[str, Any]]], float]) -> str:
+    """Lab 05: fn(events) is the idle share 1 − busy / (ranks × span) of a pipeline timeline."""
+    exercise = "exercise 05.2 (measuring the bubble)"
+    two_stages = [{"rank": 0, "kind": "F", "microbatch": 0, "start": 0.0, "end": 1.0},
+                  {"rank": 1, "kind": "F", "microbatch": 0, "start": 1.0, "end": 2.0},
+                  {"rank": 1, "kind": "B", "microbatch": 0, "start": 2.0, "end": 4.0},
+                  {"rank": 0, "kind": "B", "microbatch": 0, "start": 4.0, "end": 6.0}]
+    shifted = [{**e, "start": e["start"] + 100.0, "end": e["end"] + 100.0} for e in two_stages]
+    busy = [{"rank": r, "kind": "F", "microbatch": 0, "start": 0.0, "end": 3.0} for r in range(3)]
+    cases = [two_stages, shifted, busy]
+    for events in cases:
+        expected = pipeline.bubble_fraction(events)
+        got = _call(exercise, fn, [dict(e) for e in events])
+        if not isinstance(got, (int, float)) or abs(got - expected) > 1e-9:
+            ranks = len({e["rank"] for e in events})
+            span = max(e["end"] for e in events) - min(e["start"] for e in events)
+            busy_time = sum(e["end"] - e["start"] for e in events)
+            if isinstance(got, (int, float)) and abs(got - (1 - busy_time / span)) < 1e-9:
+                hint = f"the timeline has {ranks} ranks, each idle or busy for the whole span: divide by ranks × span"
+            elif isinstance(got, (int, float)) and abs(got - (1 - busy_time / (ranks * max(e["end"] for e in events)))) < 1e-9:
+                hint = "the span runs from the first start to the last end, not from time 0"
+            else:
+                hint = "1 − (sum of event durations) / (number of ranks × (last end − first start))"
+            raise CheckFailed(f"{exercise}: expected {expected:.4f}, got {got!r}; hint: {hint}")
+    return _passed(exercise, len(cases))
+
+
+# ----------------------------------------------------------------------------- lab 06: a 2:4 mask, counting sparsity
 
 
 def _groups_topk(scores: torch.Tensor, n: int, m: int) -> torch.Tensor:
@@ -338,6 +430,24 @@ def check_nm_mask(fn: Callable[[torch.Tensor, int, int], torch.Tensor]) -> str:
                         f"keep exactly n = {n} weights, the largest |w|, in every group of m = {m}")
             raise CheckFailed(f"{exercise}: {n}:{m} mask of row {row} = {[round(v, 3) for v in weight[row].tolist()]} "
                               f"should be {expected[row].int().tolist()}, got {got[row].int().tolist()}; hint: {hint}")
+    return _passed(exercise, len(cases))
+
+
+def check_overall_sparsity(fn: Callable[[list[tuple[int, int]]], float]) -> str:
+    """Lab 06: fn([(zeros, params), ...]) is the share of zeros over all weights of the layers listed."""
+    exercise = "exercise 06.2 (counting sparsity)"
+    cases = [[(50, 100), (0, 100)], [(10, 10), (0, 990)], [(0, 7)], [(3, 4), (1, 4), (0, 8)]]
+    for layers in cases:
+        report = [prune.LayerSparsity(f"w{i}", (params,), zeros) for i, (zeros, params) in enumerate(layers)]
+        expected = prune.overall_sparsity(report)
+        got = _call(exercise, fn, list(layers))
+        if not isinstance(got, (int, float)) or abs(got - expected) > 1e-12:
+            mean_of_layers = sum(z / p for z, p in layers) / len(layers)
+            hint = ("that is the mean of per-layer sparsities: a small layer counts as much as a big one. "
+                    "Divide all zeros by all weights" if isinstance(got, (int, float))
+                    and abs(got - mean_of_layers) < 1e-12 else "total zeros / total weights")
+            raise CheckFailed(f"{exercise}: layers (zeros, params) {layers}: expected {expected:.4f}, got {got!r}; "
+                              f"hint: {hint}")
     return _passed(exercise, len(cases))
 
 

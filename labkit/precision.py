@@ -56,6 +56,15 @@ class Policy:
         return torch.amp.GradScaler(self.device_type, enabled=self.use_scaler)
 
 
+def kept_fraction(values: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> float:
+    """Share of the non-zero `values` that stay non-zero once multiplied by `scale` and cast to `dtype`:
+    what a format (and a loss scale) keeps of real gradients instead of flushing them to zero."""
+    nonzero = values[values != 0]
+    if nonzero.numel() == 0:
+        raise ValueError("no non-zero values to count")
+    return ((nonzero * scale).to(dtype) != 0).float().mean().item()
+
+
 def update_loss_scale(scale: float, good_steps: int, found_inf: bool, growth_factor: float = 2.0,
                       backoff_factor: float = 0.5, growth_interval: int = 2000) -> tuple[float, int]:
     """Dynamic loss scaling, one step: (new scale, new count of good steps), as torch's GradScaler does it.

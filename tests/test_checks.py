@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from labkit import bench, checks, distributed, pipeline, precision, prune, quant, tokenizer, train
+from labkit import bench, checks, distributed, evaluate, pipeline, precision, prune, quant, tokenizer, train
 
 
 def stub(*args):
@@ -358,5 +358,100 @@ def test_lora_merge_check_explains_wrong_answers(wrong, hint):
 @pytest.mark.parametrize("check", [checks.check_lr_at, checks.check_all_gather_step, checks.check_pack_nibbles,
                                    checks.check_lora_merge])
 def test_second_exercise_checks_report_a_stub_as_not_written_yet(check):
+    with pytest.raises(checks.CheckFailed, match="not written yet"):
+        check(stub)
+
+
+# ----------------------------------------------------------------------------- second exercises: labs 00, 01, 02, 05, 06
+
+
+def test_windows_check_passes_the_reference():
+    assert "passed" in checks.check_windows(evaluate.windows)
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda n, L, s: [(b, min(b + L, n), min(b + L, n) - b - 1) for b in range(0, n - 1, s)], "score only what no earlier"),
+    (lambda n, L, s: evaluate.windows(n, L, s)[:1], "keep going until"),
+    (lambda n, L, s: list(reversed(evaluate.windows(n, L, s))), "windows start every"),
+])
+def test_windows_check_explains_wrong_answers(wrong, hint):
+    with pytest.raises(checks.CheckFailed, match=hint):
+        checks.check_windows(wrong)
+
+
+def test_pack_blocks_check_passes_the_reference():
+    assert "passed" in checks.check_pack_blocks(lambda s, b: [s[i:i + b] for i in range(0, len(s) - b + 1, b)])
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda s, b: [s[i:i + b] for i in range(0, len(s), b)], "drop the tail"),
+    (lambda s, b: [s[i:i + b] for i in range(0, len(s) - b + 1)], "no overlap"),
+])
+def test_pack_blocks_check_explains_wrong_answers(wrong, hint):
+    with pytest.raises(checks.CheckFailed, match=hint):
+        checks.check_pack_blocks(wrong)
+
+
+def test_kept_fraction_check_passes_the_reference():
+    assert "passed" in checks.check_kept_fraction(precision.kept_fraction)
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda v, dtype, scale: ((v * scale).to(dtype) != 0).float().mean().item(), "drop the exact zeros"),
+    (lambda v, dtype, scale: precision.kept_fraction(v, dtype), "multiply by the loss scale"),
+    (lambda v, dtype, scale: 1.0, "cast \\(values · scale\\)"),
+])
+def test_kept_fraction_check_explains_wrong_answers(wrong, hint):
+    with pytest.raises(checks.CheckFailed, match=hint):
+        checks.check_kept_fraction(wrong)
+
+
+def test_kept_fraction_counts_non_zero_values_and_refuses_all_zeros():
+    assert precision.kept_fraction(torch.tensor([1e-10, 1.0, 0.0]), torch.float16) == 0.5
+    assert precision.kept_fraction(torch.tensor([1e-10, 1.0]), torch.float16, scale=2.0**16) == 1.0
+    with pytest.raises(ValueError, match="no non-zero"):
+        precision.kept_fraction(torch.zeros(3), torch.float16)
+
+
+def test_bubble_fraction_check_passes_the_reference():
+    assert "passed" in checks.check_bubble_fraction(pipeline.bubble_fraction)
+
+
+def bubble_one_rank(events):
+    span = max(e["end"] for e in events) - min(e["start"] for e in events)
+    return 1 - sum(e["end"] - e["start"] for e in events) / span
+
+
+def bubble_from_zero(events):
+    ranks = len({e["rank"] for e in events})
+    return 1 - sum(e["end"] - e["start"] for e in events) / (ranks * max(e["end"] for e in events))
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (bubble_one_rank, "divide by ranks × span"),
+    (bubble_from_zero, "from the first start"),
+    (lambda events: 0.5, "sum of event durations"),
+])
+def test_bubble_fraction_check_explains_wrong_answers(wrong, hint):
+    with pytest.raises(checks.CheckFailed, match=hint):
+        checks.check_bubble_fraction(wrong)
+
+
+def test_overall_sparsity_check_passes_the_reference():
+    assert "passed" in checks.check_overall_sparsity(lambda layers: sum(z for z, _ in layers) / sum(p for _, p in layers))
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda layers: sum(z / p for z, p in layers) / len(layers), "mean of per-layer sparsities"),
+    (lambda layers: 0.0, "total zeros / total weights"),
+])
+def test_overall_sparsity_check_explains_wrong_answers(wrong, hint):
+    with pytest.raises(checks.CheckFailed, match=hint):
+        checks.check_overall_sparsity(wrong)
+
+
+@pytest.mark.parametrize("check", [checks.check_windows, checks.check_pack_blocks, checks.check_kept_fraction,
+                                   checks.check_bubble_fraction, checks.check_overall_sparsity])
+def test_more_checks_report_a_stub_as_not_written_yet(check):
     with pytest.raises(checks.CheckFailed, match="not written yet"):
         check(stub)
