@@ -824,10 +824,15 @@ def _quiet(what: str) -> Iterator[None]:
         raise RuntimeError(f"{what} failed; its log ends with:\n{log.getvalue()[-3000:]}") from err
 
 
+def _cap_gptqmodel_workers() -> None:
+    """At most 4 GPTQModel CPU workers (it would start one per core), unless the user chose a number."""
+    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(1, min(os.cpu_count() or 1, 4))))
+
+
 def quantize_with_gptqmodel(source: str | Path, calibration: torch.Tensor, cfg: QuantConfig, dest: str | Path,
                             batch_size: int = 1) -> Path:
     """Quantize the model in directory `source` (which must hold a tokenizer too) with GPTQModel, same settings as labkit."""
-    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(1, min(os.cpu_count() or 1, 4))))
+    _cap_gptqmodel_workers()
     with _quiet("GPTQModel quantization"):
         from gptqmodel import GPTQModel, QuantizeConfig
 
@@ -846,7 +851,7 @@ def load_with_transformers(path: str | Path, device: str = "cpu") -> nn.Module:
     if not gptqmodel_available():
         raise ImportError("loading GPTQ checkpoints through transformers needs GPTQModel and optimum: "
                           "pip install 'labkit[gptq]' (see README)")
-    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(1, min(os.cpu_count() or 1, 4))))
+    _cap_gptqmodel_workers()
     from transformers import AutoModelForCausalLM
 
     with _quiet(f"loading {path} through transformers"):

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -42,8 +43,11 @@ def test_prepare_explains_a_missing_package(capsys, monkeypatch, tmp_cache):
 def test_student_command_writes_the_student_build(capsys, tmp_path):
     assert cli.main(["student", "--output", str(tmp_path / "student")]) == 0
     out = capsys.readouterr().out
-    assert "01_data_and_tokenization.ipynb: 1 exercise region stubbed" in out
-    assert (tmp_path / "student" / "08_lora_finetuning.ipynb").is_file()
+    labs = sorted((Path(__file__).parents[1] / "labs").glob("0*.ipynb"))
+    assert len(labs) == 9
+    for lab in labs:  # every lab has two exercises
+        assert f"{lab.name}: 2 exercise regions stubbed" in out
+        assert (tmp_path / "student" / lab.name).is_file()
 
 
 def test_unknown_arguments_are_refused():
