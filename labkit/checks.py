@@ -91,16 +91,17 @@ def check_median_time(fn: Callable[..., float]) -> str:
 
 
 def check_windows(fn: Callable[[int, int, int], list[tuple[int, int, int]]]) -> str:
-    """Lab 00: fn(n_tokens, max_length, stride) lists (begin, end, n_scored) windows scoring every token after
-    the first exactly once, each window scoring only its last n_scored tokens."""
+    """Lab 00: fn(n_tokens, max_length, stride) lists (begin, end, n_scored) windows that score each token at most
+    once, each window scoring only its last n_scored tokens (as `evaluate.windows`)."""
     exercise = "exercise 00.2 (perplexity windows)"
     cases = [(10, 4, 4), (10, 4, 2), (9, 4, 3), (3, 8, 8), (12, 6, 1), (2, 2, 2)]
     for n, max_length, stride in cases:
         expected = evaluate.windows(n, max_length, stride)
         got = _call(exercise, fn, n, max_length, stride)
-        got = [tuple(w) for w in got] if isinstance(got, (list, tuple)) else got
+        triples = isinstance(got, (list, tuple)) and all(isinstance(w, (list, tuple)) and len(w) == 3 for w in got)
+        got = [tuple(w) for w in got] if triples else got
         if got != expected:
-            scored = sum(w[2] for w in got) if isinstance(got, list) and all(len(w) == 3 for w in got) else None
+            scored = sum(w[2] for w in got) if triples else None
             should = sum(w[2] for w in expected)
             if scored is not None and scored > should:
                 hint = (f"{scored} tokens scored, {should} expected: score only what no earlier window scored "

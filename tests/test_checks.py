@@ -373,6 +373,7 @@ def test_windows_check_passes_the_reference():
     (lambda n, L, s: [(b, min(b + L, n), min(b + L, n) - b - 1) for b in range(0, n - 1, s)], "score only what no earlier"),
     (lambda n, L, s: evaluate.windows(n, L, s)[:1], "keep going until"),
     (lambda n, L, s: list(reversed(evaluate.windows(n, L, s))), "windows start every"),
+    (lambda n, L, s: [n], "windows start every"),
 ])
 def test_windows_check_explains_wrong_answers(wrong, hint):
     with pytest.raises(checks.CheckFailed, match=hint):
