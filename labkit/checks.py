@@ -31,6 +31,13 @@ def _call(exercise: str, fn: Callable, *args: Any) -> Any:
                           "exercise cell with your code, run that cell, then this one") from None
 
 
+def _rows(got: Any, kind: type) -> Any:
+    """A list of sequences as a list of `kind` (tuple or list), for comparing; anything else unchanged."""
+    if isinstance(got, (list, tuple)) and all(isinstance(x, (list, tuple)) for x in got):
+        return [kind(x) for x in got]
+    return got
+
+
 def _passed(exercise: str, cases: int) -> str:
     message = f"{exercise}: passed ({cases} cases)"
     print(message)
@@ -153,7 +160,7 @@ def check_pack_blocks(fn: Callable[[list[int], int], list[list[int]]]) -> str:
     for stream, size in cases:
         expected = shards.pack_blocks(np.array(stream), size).tolist()
         got = _call(exercise, fn, list(stream), size)
-        got = [list(b) for b in got] if isinstance(got, (list, tuple)) else got
+        got = _rows(got, list)
         if got != expected:
             if isinstance(got, list) and got[:len(expected)] == expected and len(got) > len(expected):
                 hint = ("drop the tail that does not fill a block: a short or padded last block would put "
@@ -352,7 +359,7 @@ def check_1f1b_order(fn: Callable[[int, int, int], list[tuple[str, int]]]) -> st
     for stage, stages, m in cases:
         expected = pipeline.schedule_order("1f1b", stage, stages, m)
         got = _call(exercise, fn, stage, stages, m)
-        got = [tuple(x) for x in got] if isinstance(got, (list, tuple)) else got
+        got = _rows(got, tuple)
         if got != expected:
             if got == pipeline.schedule_order("gpipe", stage, stages, m):
                 hint = "that is GPipe (all forwards first); 1F1B starts backwards after a few warm-up forwards"
