@@ -365,14 +365,13 @@ def matmul_sweep(
     """`matmul_throughput` over sizes (ascending) per dtype. A dtype stops growing when one product of
     the next size would take more than `budget_s` (predicted from n³): a format this device only
     emulates (fp16 on most CPUs) would otherwise run for many minutes. Returns (rows, what was skipped)."""
-    rows, skipped = [], []
+    rows, skipped, ordered = [], [], sorted(sizes)
     for dtype in dtypes:
-        for i, size in enumerate(sorted(sizes)):
+        for size, bigger in zip(ordered, ordered[1:] + [None]):
             rows.append(matmul_throughput(size, dtype, device=device, warmup=warmup, repeats=repeats))
-            later = sorted(sizes)[i + 1:]
-            if later and not next_size_fits(rows[-1]["median_s"], size, later[0], budget_s):
-                skipped.append(f"{dtype} n >= {later[0]}: one n = {size} product took "
-                               f"{fmt_seconds(rows[-1]['median_s'])}, so n = {later[0]} would exceed {budget_s:g} s "
+            if bigger is not None and not next_size_fits(rows[-1]["median_s"], size, bigger, budget_s):
+                skipped.append(f"{dtype} n >= {bigger}: one n = {size} product took "
+                               f"{fmt_seconds(rows[-1]['median_s'])}, so n = {bigger} would exceed {budget_s:g} s "
                                "(no native support for this format here?)")
                 break
     return rows, skipped

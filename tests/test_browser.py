@@ -153,8 +153,7 @@ def test_lab00_runs_in_jupyterlab_in_headless_chromium(jupyterlab, browser):
 
 
 def _accept_dialogs(driver) -> None:
-    import time as _t
-    _t.sleep(1)
+    time.sleep(1)  # a dialog opens a moment after the action that causes it
     for button in driver.find_elements("css selector", ".jp-Dialog .jp-Dialog-button.jp-mod-accept"):
         button.click()
 
