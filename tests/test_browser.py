@@ -2,7 +2,15 @@
 run every cell, and check that no cell failed and a plot rendered. A screenshot lands in
 build/screenshots/. Needs Debian's `chromium` and `chromium-driver` (installed by .ci/run) and
 selenium; skipped where they are missing. The browser is told where both binaries are, so
-nothing is downloaded."""
+nothing is downloaded.
+
+The test drives JupyterLab through its stable surface, not its menus' markup: the server exposes the
+application object (`--LabApp.expose_app_in_browser`, as JupyterLab's own UI tests do) and the test
+runs the documented `notebook:run-all-cells` command. It waits on what a user sees (every code
+cell's prompt numbered, no cell busy, the kernel idle) with bounded timeouts, on a copy of the lab
+whose outputs were cleared, so a numbered prompt can only come from this run. A failure saves a
+screenshot and the browser console under build/screenshots/ and names the last state seen.
+"""
 
 from __future__ import annotations
 
@@ -17,13 +25,16 @@ import time
 import urllib.request
 from pathlib import Path
 
+import nbformat
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LAB = "00_gpu_setup.ipynb"
-SCREENSHOT = ROOT / "build" / "screenshots" / "lab00_jupyterlab.png"
+SCREENSHOTS = ROOT / "build" / "screenshots"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
+OPEN_TIMEOUT = 120  # JupyterLab's page and a kernel on a busy 2-core machine
+RUN_TIMEOUT = 240  # lab 00 runs in about 25 s in the smoke profile
 
 pytestmark = [
     pytest.mark.slow,
@@ -52,115 +63,203 @@ def _wait_for_server(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise TimeoutError(f"jupyter lab did not answer {url} within {timeout:.0f} s")
 
 
-@pytest.fixture
-def jupyterlab(tmp_path):
-    """A JupyterLab server started by `python -m labkit lab` on a copy of lab 00, with its own settings."""
-    root = tmp_path / "labs"
+def _copy_cleared(source: Path, target: Path) -> None:
+    """The notebook without outputs or execution counts: only this run can number its prompts."""
+    nb = nbformat.read(source, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    nbformat.write(nb, target)
+
+
+@pytest.fixture(scope="module")
+def jupyterlab(tmp_path_factory):
+    """A JupyterLab server started by `python -m labkit lab` on a folder of its own, with its own settings."""
+    tmp = tmp_path_factory.mktemp("jupyterlab")
+    root = tmp / "labs"
     root.mkdir()
-    shutil.copy(ROOT / "labs" / LAB, root / LAB)  # the browser run must not rewrite the committed notebook
-    settings = tmp_path / "settings" / "@jupyterlab"
+    settings = tmp / "settings" / "@jupyterlab"
     for plugin, values in (("notebook-extension/tracker", {"windowingMode": "none"}),  # every cell in the DOM
                            ("apputils-extension/notification", {"fetchNews": "false"})):  # offline: no news
         path = settings / f"{plugin}.jupyterlab-settings"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(values))
     port, token = _free_port(), secrets.token_hex(16)
-    env = {**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "settings"),
-           "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "workspaces"),
-           "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
+    env = {**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(tmp / "settings"),
+           "JUPYTERLAB_WORKSPACES_DIR": str(tmp / "workspaces"),
+           "JUPYTER_RUNTIME_DIR": str(tmp / "runtime"),
            "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")}
-    log = open(tmp_path / "jupyterlab.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "labkit", "lab", "--root", str(root), "--no-browser", "--ip=127.0.0.1",
-         f"--port={port}", f"--IdentityProvider.token={token}"],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        _wait_for_server(f"{base}/api/status?token={token}", proc, timeout=120)
-        yield base, token
-    finally:
-        proc.terminate()
+    with open(tmp / "jupyterlab.log", "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "labkit", "lab", "--root", str(root), "--no-browser", "--ip=127.0.0.1",
+             f"--port={port}", f"--IdentityProvider.token={token}", "--LabApp.expose_app_in_browser=True"],
+            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        base = f"http://127.0.0.1:{port}"
         try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
-        print((tmp_path / "jupyterlab.log").read_text()[-3000:])
+            _wait_for_server(f"{base}/api/status?token={token}", proc, timeout=OPEN_TIMEOUT)
+            yield base, token, root
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    print((tmp / "jupyterlab.log").read_text()[-3000:])
 
 
-@pytest.fixture
-def browser(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
     """Headless Debian Chromium through its own chromedriver; no background traffic, no downloads."""
     webdriver = pytest.importorskip("selenium.webdriver")
     from selenium.webdriver.chrome.service import Service
 
-    monkeypatch.setenv("SE_OFFLINE", "true")  # Selenium Manager must never fetch a driver
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-quic", "--window-size=1400,1000", f"--user-data-dir={tmp_path / 'chromium'}"):
+                 "--disable-quic", "--window-size=1400,1000",
+                 f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"):
         options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # console log, saved on a failure
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("SE_OFFLINE", "true")  # Selenium Manager must never fetch a driver
+        driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
+        try:
+            yield driver
+        finally:
+            driver.quit()
+
+
+# What a user would see, read in one script: the open notebook, its kernel, its prompts, dialogs, failed cells.
+_STATE_JS = """
+const app = window.jupyterapp;
+const panel = app ? app.shell.currentWidget : null;
+const notebook = panel && panel.content && panel.content.model && panel.sessionContext ? panel : null;
+const kernel = notebook && notebook.sessionContext.session ? notebook.sessionContext.session.kernel : null;
+const root = notebook ? notebook.node : document;  // the open notebook only, not other tabs
+const prompts = [...root.querySelectorAll('.jp-Notebook .jp-CodeCell .jp-InputPrompt')]
+  .map(e => e.textContent.trim());
+const indicator = root.querySelector('.jp-Notebook-ExecutionIndicator');
+const errors = [...root.querySelectorAll(
+    '.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')]
+  .filter(e => e.closest('.jp-OutputArea-child') !== null && /Traceback|Error/.test(e.textContent)
+          && e.querySelector('.ansi-red-fg, .ansi-red-intense-fg') !== null)
+  .map(e => e.textContent.slice(0, 2000));
+return {
+  app: app !== undefined && app !== null,
+  notebook: notebook ? notebook.context.path : null,
+  kernel: kernel ? kernel.status : null,
+  indicator: indicator ? indicator.getAttribute('data-status') : null,
+  cells: prompts.length,
+  ran: prompts.filter(p => /\\d/.test(p)).length,
+  busy: prompts.map((p, i) => p.includes('*') ? i : -1).filter(i => i >= 0),
+  dialogs: [...document.querySelectorAll('.jp-Dialog .jp-Dialog-header')].map(e => e.textContent.trim()),
+  errors: errors,
+};
+"""
+
+
+def _state(driver) -> dict:
+    return driver.execute_script(_STATE_JS)
+
+
+def _describe(state: dict) -> str:
+    """The last state seen, in words, for an assertion message."""
+    parts = [f"{state['ran']} of {state['cells']} code cells ran",
+             f"busy cells {state['busy']}" if state["busy"] else "no cell busy",
+             f"kernel {state['kernel']}", f"open notebook {state['notebook']!r}",
+             f"dialogs open {state['dialogs']}" if state["dialogs"] else "no dialog open",
+             f"{len(state['errors'])} failed cell(s)"]
+    return "; ".join(parts)
+
+
+def _fail(driver, name: str, why: str) -> None:
+    """Save a screenshot and the console log under build/screenshots/, then fail naming the last state."""
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    shot = SCREENSHOTS / f"{name}_failure.png"
+    driver.save_screenshot(str(shot))
+    from selenium.common.exceptions import WebDriverException
+
     try:
-        yield driver
-    finally:
-        driver.quit()
+        console = "\n".join(f"{e['level']} {e['message']}" for e in driver.get_log("browser"))
+    except WebDriverException as exc:  # the log is a help, not the point: never hide the failure behind it
+        console = f"(console log unavailable: {exc})"
+    (SCREENSHOTS / f"{name}_console.log").write_text(console)
+    state = _state(driver)
+    errors = "\n---\n".join(state["errors"])
+    pytest.fail(f"{why}: {_describe(state)}. Screenshot {shot.relative_to(ROOT)}, console log beside it."
+                + (f"\nFailed cells:\n{errors}" if errors else ""), pytrace=False)
 
 
-def _prompts(driver) -> list[str]:
-    return driver.execute_script(
-        "return [...document.querySelectorAll('.jp-Notebook .jp-CodeCell .jp-InputPrompt')]"
-        ".map(e => e.textContent.trim())")
+def _wait(driver, name: str, done, timeout: float, what: str) -> dict:
+    """Poll the page state until `done(state)`, accepting the kernel dialog wherever it appears."""
+    deadline = time.monotonic() + timeout
+    while True:
+        _accept_kernel_dialog(driver)
+        state = _state(driver)
+        if done(state):
+            return state
+        if time.monotonic() > deadline:
+            _fail(driver, name, f"{what} not seen within {timeout:.0f} s")
+        time.sleep(1)
+
+
+def _accept_kernel_dialog(driver) -> None:
+    """'Select Kernel' may ask for the notebook's kernel, on opening or later: take the proposed one."""
+    for dialog in driver.find_elements("css selector", ".jp-Dialog"):
+        header = dialog.find_elements("css selector", ".jp-Dialog-header")
+        if header and "kernel" in header[0].text.lower():
+            for button in dialog.find_elements("css selector", ".jp-Dialog-button.jp-mod-accept"):
+                button.click()
+
+
+def run_in_jupyterlab(driver, base: str, token: str, path: str, name: str) -> dict:
+    """Open `path` in JupyterLab, run every cell with its run-all command, and return the final page state."""
+    driver.get(f"{base}/lab/tree/{path}?token={token}")
+    _wait(driver, name, lambda s: s["notebook"] == path and s["kernel"] == "idle" and s["cells"] > 0,
+          OPEN_TIMEOUT, f"{path} open with an idle kernel")
+    refused = driver.execute_script(  # started, not awaited: the command's promise ends with the run
+        "const c = window.jupyterapp.commands, id = 'notebook:run-all-cells';"
+        "if (!c.hasCommand(id) || !c.isEnabled(id)) return 'the command is missing or disabled';"
+        "c.execute(id).catch(e => { window.labkitRunError = String(e); }); return null;")
+    if refused:
+        _fail(driver, name, f"JupyterLab cannot run all cells: {refused}")
+    return _wait(driver, name, lambda s: not s["busy"] and s["kernel"] == "idle" and s["indicator"] == "idle"
+                 and (s["ran"] == s["cells"] or s["errors"]), RUN_TIMEOUT, "every code cell run (or one failed)")
 
 
 def test_lab00_runs_in_jupyterlab_in_headless_chromium(jupyterlab, browser):
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support import expected_conditions as ec
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    base, token = jupyterlab
-    browser.get(f"{base}/lab/tree/{LAB}?token={token}")
-    wait = WebDriverWait(browser, 120)
-    wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, ".jp-Notebook .jp-CodeCell")))
-    wait.until(lambda d: d.execute_script(
-        "const s = document.querySelector('.jp-Notebook-ExecutionIndicator');"
-        "return s !== null && s.getAttribute('data-status') === 'idle'"))
-    _accept_dialogs(browser)  # "Select Kernel" may ask for the notebook's kernel
-    n_code = len(_prompts(browser))
-    assert n_code > 5, f"lab 00 shows only {n_code} code cells"
-
-    browser.find_element(By.XPATH, "//li[contains(@class,'lm-MenuBar-item')][.//div[text()='Run']]").click()
-    wait.until(ec.element_to_be_clickable(
-        (By.CSS_SELECTOR, "li.lm-Menu-item[data-command='runmenu:run-all']"))).click()
-    _accept_dialogs(browser)
-
-    def finished(d) -> bool:
-        prompts = _prompts(d)
-        return not any("*" in p for p in prompts) and (all(p.strip("[]: ") for p in prompts) or _errors(d))
-
-    WebDriverWait(browser, 600, poll_frequency=1).until(finished)
-    SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-    browser.save_screenshot(str(SCREENSHOT))
-
-    errors = _errors(browser)
-    assert not errors, "cells failed in JupyterLab:\n" + "\n---\n".join(errors)
-    assert all(p.strip("[]: ").isdigit() for p in _prompts(browser)), "some cells did not run"
+    base, token, root = jupyterlab
+    _copy_cleared(ROOT / "labs" / LAB, root / LAB)  # the browser run must not rewrite the committed notebook
+    state = run_in_jupyterlab(browser, base, token, LAB, "lab00_jupyterlab")
+    assert state["cells"] > 5, f"lab 00 shows only {state['cells']} code cells"
+    if state["errors"] or state["ran"] != state["cells"]:
+        _fail(browser, "lab00_jupyterlab", "lab 00 did not run cleanly in JupyterLab")
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    browser.save_screenshot(str(SCREENSHOTS / "lab00_jupyterlab.png"))
     plots = browser.execute_script(
-        "return [...document.querySelectorAll('.jp-OutputArea-output img')]"
+        "return [...window.jupyterapp.shell.currentWidget.node.querySelectorAll('.jp-OutputArea-output img')]"
         ".filter(i => i.complete && i.naturalWidth > 100).length")
     assert plots >= 1, "no plot rendered"
 
 
-def _accept_dialogs(driver) -> None:
-    time.sleep(1)  # a dialog opens a moment after the action that causes it
-    for button in driver.find_elements("css selector", ".jp-Dialog .jp-Dialog-button.jp-mod-accept"):
-        button.click()
-
-
-def _errors(driver) -> list[str]:
-    return driver.execute_script(
-        "return [...document.querySelectorAll('.jp-OutputArea-output[data-mime-type=\"application/vnd.jupyter.stderr\"]')]"
-        ".filter(e => e.closest('.jp-OutputArea-child') !== null && /Traceback|Error/.test(e.textContent)"
-        " && e.querySelector('.ansi-red-fg, .ansi-red-intense-fg') !== null)"
-        ".map(e => e.textContent.slice(0, 2000))")
+def test_a_failing_cell_is_reported_with_a_screenshot_and_the_state(jupyterlab, browser):
+    """The failure path: a notebook whose second cell raises stops there, and the report says so."""
+    base, token, root = jupyterlab
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in (
+        "x = 1", "raise ValueError('a planted failure')", "y = 2")])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, root / "failing.ipynb")
+    for stale in SCREENSHOTS.glob("failing_*"):
+        stale.unlink()
+    start = time.monotonic()
+    state = run_in_jupyterlab(browser, base, token, "failing.ipynb", "failing")
+    assert state["ran"] == 2 and state["cells"] == 3, _describe(state)  # run-all stops at the error
+    assert any("a planted failure" in e for e in state["errors"])
+    with pytest.raises(pytest.fail.Exception) as failure:
+        _fail(browser, "failing", "the planted cell failed")
+    message = str(failure.value)
+    assert "2 of 3 code cells ran" in message and "a planted failure" in message
+    assert (SCREENSHOTS / "failing_failure.png").stat().st_size > 0
+    assert (SCREENSHOTS / "failing_console.log").exists()
+    assert time.monotonic() - start < OPEN_TIMEOUT + 60  # found quickly, not after the run timeout
