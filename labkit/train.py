@@ -129,7 +129,8 @@ def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], policy: precision
     """Summed cross-entropy over the batch's target tokens (positions with target -100 are skipped)."""
     with policy.autocast():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
-    return F.cross_entropy(logits.float().flatten(0, 1), batch["targets"].flatten(), ignore_index=-100, reduction="sum")
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16/fp16 up to fp32; fp64 stays fp64
+    return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), ignore_index=-100, reduction="sum")
 
 
 def loss_divisors(token_counts: list[int], normalize: str = "tokens") -> list[int]:

@@ -9,6 +9,7 @@ import torch
 
 from labkit import lora, quant, tasks, train
 from labkit.models import count_parameters, tiny_llama
+from tests.numerics import FLOAT64
 
 
 @pytest.fixture
@@ -23,6 +24,11 @@ def randomize_b(model: torch.nn.Module) -> None:
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+def next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy in the logits' own dtype."""
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
 
 
 def train_a_few_steps(model: torch.nn.Module, ids: torch.Tensor, steps: int = 5) -> bool:
@@ -60,10 +66,13 @@ def test_from_scratch_matches_peft_outputs_and_gradients(ids, targets):
     assert lora.adapter_difference(peft_model, ours) > 0  # independent random A
     lora.copy_from_peft(peft_model, ours)
     assert lora.adapter_difference(peft_model, ours) == 0.0
-    out_ours, out_theirs = ours(ids, labels=ids), peft_model(input_ids=ids, labels=ids)
-    torch.testing.assert_close(out_ours.logits, out_theirs.logits, rtol=0, atol=1e-6)
-    out_ours.loss.backward()
-    out_theirs.loss.backward()
+    ours.double()  # two implementations: compared where rounding cannot hide a mistake
+    peft_model.double()
+    out_ours, out_theirs = ours(ids).logits, peft_model(input_ids=ids).logits
+    assert out_ours.dtype == torch.float64
+    torch.testing.assert_close(out_ours, out_theirs, **FLOAT64)
+    next_token_loss(out_ours, ids).backward()  # in float64 (transformers' own loss casts logits to fp32)
+    next_token_loss(out_theirs, ids).backward()
     grads_theirs = {n.removeprefix("base_model.model.").replace(".default", ""): p.grad
                     for n, p in peft_model.named_parameters() if p.requires_grad}
     grads_ours = {n.replace("lora_A", "lora_A.weight").replace("lora_B", "lora_B.weight"): p.grad
@@ -71,7 +80,7 @@ def test_from_scratch_matches_peft_outputs_and_gradients(ids, targets):
     grads_theirs = {n.replace(".base_layer", ""): g for n, g in grads_theirs.items()}
     assert grads_ours.keys() == grads_theirs.keys()
     for name in grads_ours:
-        torch.testing.assert_close(grads_ours[name], grads_theirs[name], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(grads_ours[name], grads_theirs[name], **FLOAT64)
 
 
 def test_only_adapter_parameters_receive_gradients(ids):
@@ -91,12 +100,14 @@ def test_merged_model_gives_the_same_outputs_as_ours_and_as_peft(ids):
     peft_model = lora.apply_peft(theirs, ("q_proj", "v_proj", "down_proj"), r=4, alpha=8)
     randomize_b(peft_model)
     lora.copy_from_peft(peft_model, ours)
+    ours.double()  # W + s·BA against Wx + s·B(Ax): equal in exact arithmetic only
+    peft_model.double()
     with torch.no_grad():
         before = ours(ids).logits
         lora.merge_lora(ours)
         assert not any(isinstance(m, lora.LoRALinear) for m in ours.modules())
-        torch.testing.assert_close(ours(ids).logits, before, rtol=0, atol=1e-5)
-        torch.testing.assert_close(peft_model.merge_and_unload()(ids).logits, before, rtol=0, atol=1e-5)
+        torch.testing.assert_close(ours(ids).logits, before, **FLOAT64)
+        torch.testing.assert_close(peft_model.merge_and_unload()(ids).logits, before, **FLOAT64)
 
 
 def test_adapter_save_and_load_round_trip(ids, tmp_path):
@@ -118,8 +129,10 @@ def test_adapters_trained_from_scratch_ship_as_a_peft_adapter(ids, tmp_path):
     peft_model = lora.apply_peft(tiny_llama(), ("q_proj", "v_proj"), r=4)
     lora.copy_to_peft(ours, peft_model)
     loaded = lora.load_adapter(tiny_llama(), lora.save_adapter(peft_model, tmp_path / "adapter"))
+    loaded.double()  # PEFT's layers against ours, on the very same (saved and reloaded) values
+    ours.double()
     with torch.no_grad():
-        torch.testing.assert_close(loaded(input_ids=ids).logits, ours(ids).logits, rtol=0, atol=1e-6)
+        torch.testing.assert_close(loaded(input_ids=ids).logits, ours(ids).logits, **FLOAT64)
     with pytest.raises(ValueError, match="LoRALinear"):
         lora.copy_to_peft(tiny_llama(), peft_model)  # no adapters on this side
 

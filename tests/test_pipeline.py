@@ -8,6 +8,7 @@ import torch
 
 from labkit import distributed, pipeline
 from labkit.models import tiny_llama
+from tests.numerics import FLOAT64
 
 SCRIPT = Path(__file__).parents[1] / "labs" / "scripts" / "pipeline_run.py"
 
@@ -30,12 +31,13 @@ def test_layer_ranges_cover_every_layer_once():
 
 
 def test_stages_chained_equal_the_whole_model():
-    model = tiny_llama(num_layers=3, tie_word_embeddings=False)
+    model = tiny_llama(num_layers=3, tie_word_embeddings=False).double()  # two code paths: compared in float64
     x = torch.randint(0, 512, (2, 12))
     h = x
     for s in range(3):
         h = pipeline.LlamaStage(model, s, 3)(h)
-    assert torch.allclose(h, model(input_ids=x).logits, atol=1e-5)
+    assert h.dtype == torch.float64
+    torch.testing.assert_close(h, model(input_ids=x).logits, **FLOAT64)
     with pytest.raises(ValueError, match="tied"):
         pipeline.LlamaStage(tiny_llama(), 0, 2)
 
