@@ -59,6 +59,19 @@ def _grads(model, micro, normalize="tokens"):
     return torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
+def test_loss_sum_keeps_float64_and_lifts_bf16_logits_to_fp32():
+    from labkit.train import loss_sum
+
+    batch = as_batch(shards.pad_batch(_variable_length_batch()[:3], pad_id=1), CPU)
+    model = tiny_llama().double()
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), reduction="sum")
+    loss = loss_sum(model, batch, FP32)
+    assert loss.dtype == torch.float64
+    torch.testing.assert_close(loss, expected, **FLOAT64)
+    assert loss_sum(tiny_llama().to(torch.bfloat16), batch, FP32).dtype == torch.float32
+
+
 def test_accumulation_equals_one_big_batch_with_padding():
     model = tiny_llama().double()  # equal in exact arithmetic: compared in float64 (tests/numerics.py)
     docs = _variable_length_batch()
