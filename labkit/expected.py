@@ -34,8 +34,9 @@ class ExpectationFailed(AssertionError):
     """A quality figure fell outside its expected range."""
 
 
-REFERENCE = {  # where the ranges were measured; quality figures agree on both CPUs, speed figures come from the first
-    "smoke": "2-core Intel Xeon VMs (Sapphire Rapids with AMX; Cascade Lake), torch 2.13 CPU build: the CI machine",
+REFERENCE = {  # where the ranges were measured; quality figures agree on these CPUs, speed figures come from the first
+    "smoke": "2-core VMs: Intel Xeon (Sapphire Rapids with AMX; Cascade Lake) and AMD EPYC (Zen 3, AVX2), torch 2.13 "
+             "CPU build: the CI machines",
     "cpu": "2-core Intel Xeon VMs (Sapphire Rapids with AMX; Cascade Lake), torch 2.13 CPU build",
 }
 
@@ -95,7 +96,9 @@ EXPECTED: dict[str, dict[str, dict[str, Range]]] = {
                 "perplexity, 2:4": quality(2100, 2650)},
     },
     "07": {
-        "smoke": {"perplexity, fp32": quality(18.4, 19.0), "perplexity, GPTQ 4-bit g64": quality(25.0, 27.8),
+        # smoke GPTQ: 8192 calibration tokens; 26.96 (AVX2, 1 or 2 threads: identical codes), 28.04 (scalar kernels),
+        # 27.61 / 27.82 / 28.27 with other calibration draws (EPYC): GPTQ's own spread on a 327-token evaluation
+        "smoke": {"perplexity, fp32": quality(18.4, 19.0), "perplexity, GPTQ 4-bit g64": quality(26.0, 28.5),
                   "perplexity, RTN 4-bit g64": quality(27.8, 29.4)},
         "cpu": {"perplexity, fp32": quality(17.7, 18.1), "perplexity, GPTQ 4-bit g64": quality(25.5, 27.8),
                 "perplexity, RTN 4-bit g64": quality(26.0, 28.0)},

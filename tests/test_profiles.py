@@ -45,3 +45,12 @@ def test_describe_lists_every_size():
     text = profiles.describe(profiles.PROFILES["cpu"])
     for f in dataclasses.fields(profiles.Profile)[2:]:
         assert f.name in text
+
+
+@pytest.mark.parametrize("name", list(profiles.PROFILES))
+def test_gptq_calibration_gives_the_default_model_a_well_conditioned_hessian(name):
+    """Lab 07 and 08 quantize SmolLM2, whose widest decoder layer (down_proj) has 1536 inputs."""
+    from labkit import quant
+
+    p = profiles.PROFILES[name]
+    assert p.calibration_blocks * p.calibration_block_size >= quant.TOKENS_PER_INPUT * 1536

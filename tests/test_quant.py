@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from safetensors.torch import load_file
 from labkit import quant
 from labkit.models import tiny_llama
 from labkit.quant import QuantConfig
+from tests.numerics import FLOAT64
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -190,13 +192,14 @@ def test_packed_linear_stores_bits_per_code_and_computes_with_the_dequantized_we
     assert layer.packed.dtype == torch.uint8 and layer.packed.numel() == weight.numel() * bits // 8
     assert torch.equal(layer.codes(), q.codes.to(torch.uint8))
     assert torch.equal(layer.weight, q.dequantize())
-    x.requires_grad_(True)
-    layer(x).square().sum().backward()
+    x = x.double().requires_grad_(True)  # float64: the same products in any order agree to ~1e-15 (tests/numerics.py)
+    out = layer(x)
+    out.square().sum().backward()
     reference = x.detach().clone().requires_grad_(True)
-    expected = reference @ q.dequantize().T
+    expected = reference @ q.dequantize(torch.float64).T
     expected.square().sum().backward()
-    torch.testing.assert_close(layer(x), expected)
-    torch.testing.assert_close(x.grad, reference.grad)
+    torch.testing.assert_close(out, expected, **FLOAT64)
+    torch.testing.assert_close(x.grad, reference.grad, **FLOAT64)
 
 
 def test_packed_linear_keeps_no_full_weight_for_the_backward():
@@ -222,11 +225,13 @@ def test_packed_linear_rejects_codes_that_do_not_fill_bytes(bits):
 def test_pack_model_gives_the_same_logits_in_an_eighth_of_the_bytes():
     qm = quant.quantize_model(tiny_llama(), QuantConfig(bits=4, group_size=32), method="rtn", progress=False)
     ids = torch.randint(2, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    qm.model.double()  # dense kernels against PackedLinear's matmul: compared in float64 (tests/numerics.py)
     with torch.no_grad():
         expected = qm.model(ids).logits
         model = quant.pack_model(qm)
         logits = model(ids).logits
-    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    assert logits.dtype == torch.float64
+    torch.testing.assert_close(logits, expected, **FLOAT64)
     packed = [m for m in model.modules() if isinstance(m, quant.PackedLinear)]
     assert len(packed) == len(qm.weights) == 2 * 7
     codes = sum(m.packed.numel() for m in packed)
@@ -266,8 +271,9 @@ def test_input_hessian_is_two_x_xt_over_n(tiny, calibration):
     handle.remove()
     x = torch.cat(seen)
     h, n = quant._input_hessian(layers[0], down, inputs, kwargs)
-    assert n == 4 * 64
-    torch.testing.assert_close(h, 2 * x.T @ x / n, rtol=1e-4, atol=1e-6)
+    assert n == 4 * 64 and h.dtype == torch.float32
+    x = x.double()  # summed in float64, H is that sum rounded once to fp32: within fp32's unit roundoff of it
+    torch.testing.assert_close(h.double(), 2 * x.T @ x / n, rtol=torch.finfo(torch.float32).eps / 2, atol=1e-30)
 
 
 @pytest.mark.parametrize("method", quant.METHODS)
@@ -292,6 +298,18 @@ def test_quantize_model_inplace_changes_the_model():
     original = model.model.layers[0].mlp.up_proj.weight.clone()
     qm = quant.quantize_model(model, QuantConfig(bits=4, group_size=32), method="rtn", inplace=True, progress=False)
     assert qm.model is model and not torch.equal(model.model.layers[0].mlp.up_proj.weight, original)
+
+
+def test_gptq_warns_when_calibration_leaves_the_hessian_nearly_singular(tiny, calibration):
+    widest = tiny.config.intermediate_size  # down_proj's inputs
+    few = calibration[:, : 3 * widest // calibration.shape[0]]  # 3 tokens per input: full rank, badly conditioned
+    assert widest <= few.numel() < quant.TOKENS_PER_INPUT * widest
+    with pytest.warns(UserWarning, match="nearly singular"):
+        quant.quantize_model(tiny, QuantConfig(group_size=32), few, progress=False)
+    enough = calibration[:, : quant.TOKENS_PER_INPUT * widest // calibration.shape[0]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quant.quantize_model(tiny, QuantConfig(group_size=32), enough, progress=False)
 
 
 def test_quantize_model_bad_input_is_caught_before_any_work(tiny, calibration):
