@@ -9,6 +9,7 @@ import argparse
 import statistics
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_model
 
 from labkit import shards
@@ -29,6 +30,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--save", help="write the final weights here (safetensors), from rank 0")
+    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32",
+                        help="float64 to compare runs exactly (tests): fp32 sums differ with the rank count")
     args = parser.parse_args()
     with rank_context() as (rank, world, device):
         paths = sorted(Path(args.shards).glob("*.bin"))
@@ -36,7 +39,7 @@ def main() -> None:
                                     device=device)
         model = tiny_llama(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=4,
                            num_kv_heads=2, intermediate_size=3 * args.hidden, max_position_embeddings=args.block,
-                           seed=0).to(device)
+                           seed=0).to(device, getattr(torch, args.dtype))
         cfg = TrainConfig(steps=args.steps, lr=args.lr, accum_steps=args.accum, progress=rank == 0)
         history = fit(model, loader, cfg)
         if args.save and rank == 0:
