@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from labkit import quant
 from labkit.models import tiny_llama
 from labkit.quant import QuantConfig
-from tests.numerics import FLOAT64
+from tests.numerics import FLOAT64, assert_within
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -298,6 +298,20 @@ def test_quantize_model_inplace_changes_the_model():
     original = model.model.layers[0].mlp.up_proj.weight.clone()
     qm = quant.quantize_model(model, QuantConfig(bits=4, group_size=32), method="rtn", inplace=True, progress=False)
     assert qm.model is model and not torch.equal(model.model.layers[0].mlp.up_proj.weight, original)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_inverse_hessian_factor_leaves_the_hessian_alone_and_keeps_its_dtype(dtype):
+    x = correlated_inputs(256, 32).to(dtype)
+    h = 2 * x.T @ x / 256
+    before = h.clone()
+    u = quant._inverse_hessian_factor(h, damp=0.01)
+    assert torch.equal(h, before) and u.dtype == dtype
+    damped = before.double() + 0.01 * before.double().diagonal().mean() * torch.eye(32, dtype=torch.float64)
+    expected, uu = torch.linalg.inv(damped), u.double()  # U is the upper factor of the damped H⁻¹
+    # U rounded to `dtype` moves each product U_ki·U_kj by up to ~2 roundoffs of it; plus float64's own error
+    bound = 3 * torch.finfo(dtype).eps * (uu.abs().T @ uu.abs()) + FLOAT64["atol"] * expected.abs().max()
+    assert_within(uu.T @ uu, expected, bound)
 
 
 def test_gptq_warns_when_calibration_leaves_the_hessian_nearly_singular(tiny, calibration):
