@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from labkit import quant
 from labkit.models import tiny_llama
 from labkit.quant import QuantConfig
-from tests.numerics import FLOAT64, assert_within
+from tests.numerics import FLOAT64, assert_within, reorder_bound
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -272,8 +272,11 @@ def test_input_hessian_is_two_x_xt_over_n(tiny, calibration):
     x = torch.cat(seen)
     h, n = quant._input_hessian(layers[0], down, inputs, kwargs)
     assert n == 4 * 64 and h.dtype == torch.float32
-    x = x.double()  # summed in float64, H is that sum rounded once to fp32: within fp32's unit roundoff of it
-    torch.testing.assert_close(h.double(), 2 * x.T @ x / n, rtol=torch.finfo(torch.float32).eps / 2, atol=1e-30)
+    x = x.double()  # H: a float64 sum (in another order than this one) rounded once to fp32
+    expected = 2 * x.T @ x / n
+    bound = torch.finfo(torch.float32).eps / 2 * expected.abs() + reorder_bound(n, 2 * x.abs().T @ x.abs() / n,
+                                                                                torch.float64)
+    assert_within(h.double(), expected, bound)
 
 
 @pytest.mark.parametrize("method", quant.METHODS)
