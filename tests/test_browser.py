@@ -124,6 +124,7 @@ def browser(tmp_path_factory):
     with pytest.MonkeyPatch.context() as env:
         env.setenv("SE_OFFLINE", "true")  # Selenium Manager must never fetch a driver
         driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
+        driver.set_page_load_timeout(OPEN_TIMEOUT)  # Selenium's default is 300 s
         try:
             yield driver
         finally:
