@@ -37,7 +37,7 @@ class ExpectationFailed(AssertionError):
 REFERENCE = {  # where the ranges were measured; quality figures agree on these CPUs, speed figures come from the first
     "smoke": "2-core VMs: Intel Xeon (Sapphire Rapids with AMX; Cascade Lake) and AMD EPYC (Zen 3, AVX2), torch 2.13 "
              "CPU build: the CI machines",
-    "cpu": "2-core Intel Xeon VMs (Sapphire Rapids with AMX; Cascade Lake), torch 2.13 CPU build",
+    "cpu": "2-core Intel Xeon VMs (Sapphire Rapids with AMX; Cascade Lake), torch 2.13 CPU build; GPTQ also on AMD EPYC",
 }
 
 
@@ -100,7 +100,10 @@ EXPECTED: dict[str, dict[str, dict[str, Range]]] = {
         # 27.61 / 27.82 / 28.27 with other calibration draws (EPYC): GPTQ's own spread on a 327-token evaluation
         "smoke": {"perplexity, fp32": quality(18.4, 19.0), "perplexity, GPTQ 4-bit g64": quality(26.0, 28.5),
                   "perplexity, RTN 4-bit g64": quality(27.8, 29.4)},
-        "cpu": {"perplexity, fp32": quality(17.7, 18.1), "perplexity, GPTQ 4-bit g64": quality(25.5, 27.8),
+        # cpu GPTQ (32 x 512 tokens): 26.73 (Intel, fp32 Hessian), 26.59 (GPTQModel, Intel); on an AMD EPYC 27.79
+        # (fp32 Hessian), 28.15 / 26.31 (float64 Hessian, calibration seeds 0 / 1): at 4-bit g64 on SmolLM2's
+        # already-4-bit weights GPTQ's spread over draws is as large as its lead over RTN (27.00)
+        "cpu": {"perplexity, fp32": quality(17.7, 18.1), "perplexity, GPTQ 4-bit g64": quality(25.5, 28.5),
                 "perplexity, RTN 4-bit g64": quality(26.0, 28.0)},
     },
     "08": {
