@@ -147,7 +147,6 @@ const errors = [...root.querySelectorAll(
           && e.querySelector('.ansi-red-fg, .ansi-red-intense-fg') !== null)
   .map(e => e.textContent.slice(0, 2000));
 return {
-  app: app !== undefined && app !== null,
   notebook: notebook ? notebook.context.path : null,
   kernel: kernel ? kernel.status : null,
   indicator: indicator ? indicator.getAttribute('data-status') : null,
@@ -156,6 +155,7 @@ return {
   busy: prompts.map((p, i) => p.includes('*') ? i : -1).filter(i => i >= 0),
   dialogs: [...document.querySelectorAll('.jp-Dialog .jp-Dialog-header')].map(e => e.textContent.trim()),
   errors: errors,
+  run_error: window.labkitRunError || null,  // set if the run-all command rejected
 };
 """
 
@@ -171,6 +171,8 @@ def _describe(state: dict) -> str:
              f"kernel {state['kernel']}", f"open notebook {state['notebook']!r}",
              f"dialogs open {state['dialogs']}" if state["dialogs"] else "no dialog open",
              f"{len(state['errors'])} failed cell(s)"]
+    if state["run_error"]:
+        parts.append(f"the run-all command failed: {state['run_error']}")
     return "; ".join(parts)
 
 
