@@ -16,7 +16,7 @@ from labkit import precision, shards
 from labkit.bench import read_results
 from labkit.models import tiny_gpt2, tiny_llama
 from labkit.train import (TrainConfig, accumulate_gradients, as_batch, fit, latest_checkpoint, load_checkpoint,
-                          lr_at, make_optimizer, save_checkpoint, train_step)
+                          loss_sum, lr_at, make_optimizer, save_checkpoint, train_step)
 from tests.numerics import FLOAT64
 
 CPU = torch.device("cpu")
@@ -60,8 +60,6 @@ def _grads(model, micro, normalize="tokens"):
 
 
 def test_loss_sum_keeps_float64_and_lifts_bf16_logits_to_fp32():
-    from labkit.train import loss_sum
-
     batch = as_batch(shards.pad_batch(_variable_length_batch()[:3], pad_id=1), CPU)
     model = tiny_llama().double()
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
