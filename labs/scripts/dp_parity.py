@@ -63,7 +63,7 @@ def main() -> None:
         ring_all_reduce_(ring)
         dist.all_reduce(library)
         result = {
-            "rank": rank, "world": world, "buckets": len(bucketed.buckets), "ring_elements": ring.numel(),
+            "rank": rank, "world": world, "device": str(device), "buckets": len(bucketed.buckets), "ring_elements": ring.numel(),
             "ring_vs_all_reduce": (ring - library).abs().max().item(),
             "ddp_vs_single_batch": (grads(ddp.module) - grads(ref)).abs().max().item(),
             "naive_vs_ddp": (grads(naive) - grads(ddp.module)).abs().max().item(),
