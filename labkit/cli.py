@@ -1,4 +1,4 @@
-"""Command line: `labkit doctor`, `labkit prepare`, `labkit profile`, `labkit lab`, `labkit slurm`, `labkit student`."""
+"""Command line: `labkit doctor | prepare | shards | profile | lab | slurm | student`."""
 
 from __future__ import annotations
 
@@ -35,6 +35,24 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shards(args: argparse.Namespace) -> int:
+    from labkit import assets, shards
+    from labkit.bench import fmt_bytes
+    from labkit.data import load_corpus
+    from labkit.models import load_tokenizer
+
+    if args.documents is not None and args.documents < 1:
+        raise ValueError(f"--documents must be >= 1, got {args.documents}")
+    out = args.output or shards.default_dir()
+    texts = load_corpus("wiki", "train")[: args.documents]
+    with assets.atomic_directory(out) as tmp:  # a job never sees half the shards
+        paths = shards.tokenize_to_shards(texts, load_tokenizer(args.model), tmp, shard_tokens=args.shard_tokens)
+    tokens = sum(shards.read_shard_info(out / p.name).tokens for p in paths)
+    print(f"wrote {len(paths)} shards, {tokens:,} tokens of {len(texts):,} documents "
+          f"({fmt_bytes(assets.dir_bytes(out))}) to {out}")
+    return 0
+
+
 def _profile(args: argparse.Namespace) -> int:
     from labkit import profiles
 
@@ -60,6 +78,9 @@ def _slurm(args: argparse.Namespace) -> int:
     from labkit import assets
     from labkit.distributed import slurm_script
 
+    if args.unknown:
+        raise ValueError(f"unknown option(s) {' '.join(args.unknown)}; the training script's own arguments go "
+                         f"after `--`: labkit slurm {args.script} [options] -- {' '.join(args.unknown)}")
     text = slurm_script(args.script, nodes=args.nodes, gpus_per_node=args.gpus_per_node, args=args.passthrough,
                         job_name=args.job_name, time_limit=args.time, partition=args.partition, account=args.account)
     if args.output:
@@ -89,6 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_doctor)
     p = sub.add_parser("prepare", help="stage every offline asset once (e.g. on a cluster login node)")
     p.set_defaults(func=_prepare)
+    p = sub.add_parser("shards", help="tokenize the offline corpus's training split into shards (multi-node jobs)")
+    p.add_argument("output", nargs="?", type=Path, default=None,
+                   help="where to write them (default: the cache, where ddp_train.py looks)")
+    p.add_argument("--documents", type=int, help="the first N training documents (default: all)")
+    p.add_argument("--model", default="smollm2-135m", help="whose tokenizer (default: %(default)s)")
+    p.add_argument("--shard-tokens", type=int, default=2**20, help="tokens per shard (default: %(default)s)")
+    p.set_defaults(func=_shards)
     p = sub.add_parser("profile", help="show the sizes of a run profile")
     p.add_argument("name", nargs="?", help="smoke, cpu or gpu (default: auto-detected)")
     p.set_defaults(func=_profile)
@@ -96,8 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--root", default=str(LABS_DIR if LABS_DIR.is_dir() else Path.cwd()),
                    help="folder to serve (default: the course's labs/, else the current folder)")
     p.set_defaults(func=_lab)
-    p = sub.add_parser("slurm", help="write an sbatch script running a labkit script under torchrun on N nodes")
-    p.add_argument("script", help="the training script (arguments after it go to the script)")
+    p = sub.add_parser("slurm", help="write an sbatch script running a labkit script under torchrun on N nodes",
+                       usage="labkit slurm SCRIPT [options] -- [the script's arguments]")
+    p.add_argument("script", help="the training script; its own arguments go after `--`")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=1)
     p.add_argument("--time", default="00:30:00", help="wall-clock limit, HH:MM:SS")
@@ -110,13 +139,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--labs", default=str(LABS_DIR), help="the solution notebooks (default: the course's labs/)")
     p.add_argument("--output", "-o", default="build/student", help="where to write them (default: build/student)")
     p.set_defaults(func=_student)
-    args, extra = parser.parse_known_args(argv)
-    if extra and args.command not in ("lab", "slurm"):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    args.passthrough = extra[1:] if extra[:1] == ["--"] else extra
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args, extra = parser.parse_known_args(argv[:cut])
+    after = argv[cut + 1 :]
+    if (extra or after) and args.command not in ("lab", "slurm"):
+        parser.error(f"unrecognized arguments: {' '.join(extra + after)}")
+    # JupyterLab takes its options with or without `--`; a job script's go after `--`, so that a typo in
+    # labkit's own options (--gpu-per-node) is refused instead of passed on to the script.
+    args.unknown = extra if args.command == "slurm" else []
+    args.passthrough = after if args.command == "slurm" else extra + after
     try:
         return args.func(args)
-    except ValueError as err:
+    except (ValueError, FileNotFoundError) as err:
         print(f"labkit {args.command}: {err}", file=sys.stderr)
         return 2
 

@@ -385,10 +385,15 @@ def slurm_script(
     job_name: str = "labkit", time_limit: str = "00:30:00", cpus_per_node: int | None = None,
     partition: str | None = None, account: str | None = None, venv: str | None = None, port: int = 29500,
 ) -> str:
-    """An sbatch script that runs `script` under torchrun on `nodes` × `gpus_per_node` GPUs (c10d rendezvous)."""
+    """An sbatch script that runs `script` under torchrun on `nodes` × `gpus_per_node` GPUs (c10d rendezvous).
+
+    The script is named by its absolute path, so the job runs wherever it is submitted from."""
     import re
     import shlex
 
+    if not Path(script).is_file():
+        raise FileNotFoundError(f"no such script: {script}")
+    script = Path(script).resolve()
     if nodes < 1 or gpus_per_node < 1:
         raise ValueError(f"need nodes >= 1 and gpus_per_node >= 1, got {nodes}, {gpus_per_node}")
     if not re.fullmatch(r"(\d+-)?\d{1,2}:\d{2}:\d{2}", time_limit):
@@ -416,7 +421,9 @@ def slurm_script(
         "#   export NCCL_DEBUG=INFO           # print the transport and topology NCCL picked",
         "#   export NCCL_SOCKET_IFNAME=ib0    # the network interface to bootstrap on, if the default is wrong",
         "#   export NCCL_IB_DISABLE=1         # only where InfiniBand is absent or broken (slow TCP fallback)",
-        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        "# the rendezvous is on the first node (read whole: `| head -1` can SIGPIPE scontrol, and pipefail aborts)",
+        'nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))',
+        'head_node=${nodes[0]}',
         "srun --kill-on-bad-exit=1 python -m torch.distributed.run \\",
         f'    --nnodes="$SLURM_NNODES" --nproc_per_node={gpus_per_node} \\',
         f'    --rdzv_backend=c10d --rdzv_endpoint="$head_node:{port}" --rdzv_id="$SLURM_JOB_ID" \\',

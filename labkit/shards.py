@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from labkit import bench
-from labkit.assets import atomic_write_bytes, atomic_write_text, sha256_file
+from labkit.assets import atomic_write_bytes, atomic_write_text, cache_dir, sha256_file
 
 FORMAT = "labkit-shard-v1"
 
@@ -176,6 +176,11 @@ def write_shards(stream: np.ndarray, directory: str | Path, shard_tokens: int, v
     directory = Path(directory)
     return [write_shard(directory / f"{prefix}_{i:05d}", stream[start : start + shard_tokens], vocab_size, tokenizer)
             for i, start in enumerate(range(0, len(stream), shard_tokens))]
+
+
+def default_dir() -> Path:
+    """Where `labkit shards` writes the training corpus and ddp_train.py reads it: in the (shared) cache."""
+    return cache_dir() / "shards" / "wiki-smollm2"
 
 
 # ----------------------------------------------------------------------------- the loader

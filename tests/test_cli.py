@@ -50,6 +50,24 @@ def test_student_command_writes_the_student_build(capsys, tmp_path):
         assert (tmp_path / "student" / lab.name).is_file()
 
 
+def test_shards_command_writes_the_corpus_where_ddp_train_reads_it(capsys, tmp_path, monkeypatch):
+    from labkit import shards
+    from labkit.data import load_corpus
+    from labkit.models import load_tokenizer
+
+    monkeypatch.setattr(shards, "default_dir", lambda: tmp_path / "default")
+    assert cli.main(["shards", "--documents", "20", "--shard-tokens", "1000"]) == 0
+    written = sorted((tmp_path / "default").iterdir())
+    tokenizer = load_tokenizer()
+    expected = sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) + 1 for t in load_corpus("wiki", "train")[:20])
+    infos = [shards.read_shard_info(p) for p in written if p.suffix == ".bin"]
+    assert sum(i.tokens for i in infos) == expected and infos[0].vocab_size == len(tokenizer)  # + one EOS per document
+    assert all(i.tokens == 1000 for i in infos[:-1]) and not [p for p in written if p.name.startswith(".")]
+    assert f"{len(infos)} shards, {expected:,} tokens of 20 documents" in capsys.readouterr().out
+    assert cli.main(["shards", str(tmp_path / "x"), "--documents", "0"]) == 2
+    assert "--documents must be >= 1" in capsys.readouterr().err
+
+
 def test_unknown_arguments_are_refused():
     with pytest.raises(SystemExit):
         cli.main(["doctor", "--bogus"])
