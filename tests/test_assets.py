@@ -2,10 +2,16 @@
 
 import json
 import os
+import pwd
+import re
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from labkit import assets
+from tests.permissions import (UMASK_CASES, deny_access, modes, require_nobody, run_as_nobody, snapshot,
+                               umask)
 
 
 def test_atomic_write_leaves_old_file_when_interrupted(tmp_path, monkeypatch):
@@ -115,14 +121,126 @@ def test_model_missing_package_reported_by_status(monkeypatch, tmp_cache):
     assert not any(tmp_cache.glob("m*"))  # nothing half-built
 
 
-def test_atomic_writes_get_the_usual_permissions(tmp_path):
+def test_current_umask_is_read_without_changing_it(monkeypatch):
+    with umask(0o027):
+        assert assets.current_umask() == 0o027
+        monkeypatch.setattr(assets, "open", lambda *a, **k: (_ for _ in ()).throw(OSError("no /proc")),
+                            raising=False)  # not Linux: the set-and-restore fallback
+        assert assets.current_umask() == 0o027
+        assert os.umask(0o027) == 0o027  # and the umask is still the one set
+
+
+@pytest.mark.parametrize("mask, file_mode, dir_mode", UMASK_CASES)
+def test_atomic_writes_get_the_modes_the_umask_gives(tmp_path, mask, file_mode, dir_mode):
     """mkstemp/mkdtemp create private (0600/0700) entries; a shared course cache must stay readable."""
-    mask = os.umask(0o022)
-    try:
+    with umask(mask):
         f = assets.atomic_write_text(tmp_path / "f.txt", "x")
         with assets.atomic_directory(tmp_path / "d") as d:
-            (d / "inside").write_text("y")
-    finally:
-        os.umask(mask)
-    assert f.stat().st_mode & 0o777 == 0o644
-    assert (tmp_path / "d").stat().st_mode & 0o777 == 0o755
+            (d / "sub").mkdir(mode=0o700)
+            os.close(os.open(d / "sub" / "private", os.O_CREAT | os.O_WRONLY, 0o600))
+            (d / "run.sh").write_text("#!/bin/sh\n")
+            (d / "run.sh").chmod(0o700)
+    assert f.stat().st_mode & 0o777 == file_mode
+    # an executable keeps its x bits: 0o777 minus the umask, the same value as a directory's
+    assert modes(tmp_path / "d") == {".": dir_mode, "sub": dir_mode, "sub/private": file_mode,
+                                     "run.sh": dir_mode}
+
+
+def _tiny_conversion(gguf, out):
+    """Stands in for the GGUF conversion: a tiny Llama and a small BPE tokenizer, saved by transformers."""
+    from transformers import PreTrainedTokenizerFast
+
+    from labkit.models import tiny_llama
+    from labkit.tokenizer import train_bpe
+
+    tiny_llama().save_pretrained(out)  # safetensors itself creates model.safetensors as 0600
+    bpe = train_bpe(["hello world"] * 3, 270, progress=False)
+    PreTrainedTokenizerFast(tokenizer_object=bpe.to_hf(), eos_token="<|endoftext|>").save_pretrained(out)
+
+
+TINY_SOURCE = assets.PackagedFile("labkit", "__init__.py", "pip install labkit")
+
+
+@pytest.fixture
+def tiny_offline_model(monkeypatch, tmp_cache):
+    """An offline model 'tiny' whose cache entry models/tiny a tiny conversion builds in seconds."""
+    monkeypatch.setitem(assets.OFFLINE_MODELS, "tiny", (TINY_SOURCE, "models/tiny"))
+    monkeypatch.setattr(assets, "_convert_gguf", _tiny_conversion)
+    return tmp_cache
+
+
+@pytest.mark.parametrize("mask, file_mode, dir_mode", UMASK_CASES)
+def test_cache_entries_get_the_modes_the_umask_gives(tiny_offline_model, mask, file_mode, dir_mode):
+    with umask(mask):
+        assets.offline_model_dir("tiny")
+    found = modes(tiny_offline_model)
+    dirs = {".", "models", "models/tiny"}
+    assert {"models/.tiny.lock", "models/tiny/model.safetensors", "models/tiny/tokenizer.json",
+            f"models/tiny/{assets.MANIFEST}"} <= found.keys()
+    assert found == {name: dir_mode if name in dirs else file_mode for name in found}
+
+
+def test_a_valid_entry_is_used_without_a_lock_or_any_write(tiny_offline_model):
+    dest = assets.offline_model_dir("tiny")
+    (dest.parent / ".tiny.lock").unlink()
+    before = snapshot(tiny_offline_model)
+    assets._verified.clear()  # a new process: digests are re-checked, still without writing
+    assert assets.offline_model_dir("tiny") == dest
+    assert snapshot(tiny_offline_model) == before  # in particular, no lock file
+
+
+def test_an_entry_to_build_in_a_read_only_cache_is_a_clear_error(tmp_path, monkeypatch):
+    build, calls = _build_counter()
+    deny_access(monkeypatch, tmp_path, os.W_OK)
+    user = pwd.getpwuid(os.getuid()).pw_name
+    expected = f"entry must be built (not built yet), but cache {tmp_path} is not writable by user {user}: "
+    with pytest.raises(assets.AssetError, match=re.escape(expected + "ask the instructor")):
+        assets.cached_build(tmp_path / "entry", build, source="test")
+    assert calls == [] and list(tmp_path.iterdir()) == []  # no lock file, no temporary directory
+
+
+def test_an_unreadable_entry_names_the_file_and_the_fix(tmp_path, monkeypatch):
+    build, calls = _build_counter()
+    assets.cached_build(tmp_path / "entry", build, source="test")
+    weights = tmp_path / "entry" / "model.safetensors"
+    deny_access(monkeypatch, weights, os.R_OK)
+    user = pwd.getpwuid(os.getuid()).pw_name
+    with pytest.raises(assets.AssetError) as err:
+        assets.cached_build(tmp_path / "entry", build, source="test")
+    assert str(err.value) == (f"cache {weights} is not readable by user {user}: "
+                              f"ask the instructor to run chmod -R a+rX {weights}")
+    assert len(calls) == 1
+
+
+NOBODY_LOADS = """
+from labkit import assets
+from labkit.models import load_model
+
+source = assets.PackagedFile("labkit", "__init__.py", "pip install labkit")
+assets.OFFLINE_MODELS["tiny"] = (source, "models/tiny")
+assets._convert_gguf = lambda gguf, out: exit("a complete entry must not be rebuilt")
+model, tokenizer = load_model("tiny")
+print(type(model).__name__, model.config.hidden_size, tokenizer.eos_token)
+"""
+
+
+def test_a_read_only_cache_prepared_by_root_loads_for_another_user(monkeypatch):
+    require_nobody()
+    with tempfile.TemporaryDirectory() as top:  # under /tmp: pytest's tmp_path is private to root
+        os.chmod(top, 0o755)
+        cache, home = Path(top, "cache"), Path(top, "home")
+        home.mkdir()
+        os.chown(home, pwd.getpwnam("nobody").pw_uid, -1)
+        monkeypatch.setenv("LABKIT_CACHE", str(cache))
+        monkeypatch.setitem(assets.OFFLINE_MODELS, "tiny", (TINY_SOURCE, "models/tiny"))
+        monkeypatch.setattr(assets, "_convert_gguf", _tiny_conversion)
+        with umask(0o022):
+            assets.offline_model_dir("tiny")  # the instructor's `labkit prepare`
+        for p in [cache, *cache.rglob("*")]:
+            p.chmod(p.stat().st_mode & ~0o222)  # chmod -R a-w: a staged, read-only cache
+        before = snapshot(cache)
+        result = run_as_nobody(NOBODY_LOADS, {**os.environ, "HOME": str(home)}, cwd=home)
+        after = snapshot(cache)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split("\n")[-2] == "LlamaForCausalLM 64 <|endoftext|>"
+    assert after == before  # nothing created (no lock file), nothing modified

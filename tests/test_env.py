@@ -1,8 +1,13 @@
 """The environment report: complete, JSON-able, honest about what a CPU machine lacks."""
 
 import json
+import os
+import pwd
+import tempfile
+from pathlib import Path
 
 from labkit import env
+from tests.permissions import deny_access, require_nobody, run_as_nobody
 
 
 def test_collect_reports_everything_the_issue_lists():
@@ -41,3 +46,50 @@ def test_unwritable_cache_is_reported_not_raised(monkeypatch, tmp_path):
     info = env.collect()
     assert "not writable" in info["cache"]["error"]
     assert "not writable" in env.format_report(info)
+
+
+def test_an_unreadable_file_in_the_cache_is_named_with_the_fix(tmp_cache, monkeypatch):
+    weights = tmp_cache / "models" / "m" / "model.safetensors"
+    weights.parent.mkdir(parents=True)
+    weights.write_bytes(b"x")
+    deny_access(monkeypatch, weights, os.R_OK)
+    user = pwd.getpwuid(os.getuid()).pw_name
+    info = env.collect()
+    expected = (f"cache {weights} is not readable by user {user}: "
+                f"ask the instructor to run chmod -R a+rX {weights}")
+    assert info["cache"]["error"] == expected
+    report = env.format_report(info).splitlines()
+    assert any(line.startswith("Cache ") and line.endswith(expected) for line in report)
+
+
+def test_a_model_to_convert_in_a_read_only_cache_is_named_with_the_fix(tmp_cache, monkeypatch):
+    tmp_cache.mkdir()
+    deny_access(monkeypatch, tmp_cache, os.W_OK)
+    user = pwd.getpwuid(os.getuid()).pw_name
+    info = env.collect()
+    expected = (f"not converted yet, and cache {tmp_cache} is not writable by user {user}: ask the "
+                "instructor to run `labkit prepare` for this cache, or use a cache of your own: "
+                "export LABKIT_CACHE=$HOME/labkit-cache")
+    assert info["cache"]["error"] is None
+    assert info["assets"]["model smollm2-135m"] == expected
+    assert expected in env.format_report(info)
+
+
+NOBODY_DOCTOR = "from labkit import env; print(env.format_report(env.collect()))"
+
+
+def test_doctor_run_by_another_user_names_what_it_cannot_read_or_write():
+    require_nobody()
+    with tempfile.TemporaryDirectory() as top:  # under /tmp: pytest's tmp_path is private to root
+        os.chmod(top, 0o755)
+        cache = Path(top, "cache")
+        (cache / "models").mkdir(parents=True, mode=0o755)
+        secret = cache / "models" / "notes.txt"
+        secret.write_text("staged by hand")
+        secret.chmod(0o600)
+        result = run_as_nobody(NOBODY_DOCTOR, {**os.environ, "LABKIT_CACHE": str(cache)}, cwd=top)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (f"cache {secret} is not readable by user nobody: "
+            f"ask the instructor to run chmod -R a+rX {secret}") in result.stdout
+    assert (f"not converted yet, and cache {cache}/models is not writable by user nobody: "
+            "ask the instructor to run `labkit prepare` for this cache") in result.stdout
