@@ -10,6 +10,7 @@ import torch
 from labkit import lora, quant, tasks, train
 from labkit.models import count_parameters, tiny_llama
 from tests.numerics import FLOAT64
+from tests.permissions import UMASK_CASES, modes, umask
 
 
 @pytest.fixture
@@ -253,3 +254,13 @@ def test_default_model_q_v_rank_8_trains_a_third_of_a_percent(default_model):
     trainable, total = count_parameters(model, trainable_only=True), count_parameters(model)
     assert trainable == 30 * 8 * ((576 + 576) + (576 + 192))  # 460,800, PEFT's count on SmolLM2
     assert trainable / total < 0.004
+
+
+@pytest.mark.parametrize("mask, file_mode, dir_mode", UMASK_CASES)
+def test_saved_adapters_get_the_modes_the_umask_gives(tmp_path, mask, file_mode, dir_mode):
+    with umask(mask):
+        path = lora.save_adapter(lora.apply_peft(tiny_llama(), ("q_proj", "v_proj"), r=4),
+                                 tmp_path / "adapter")
+    found = modes(path)
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= found.keys()
+    assert found == dict.fromkeys(found, file_mode) | {".": dir_mode}

@@ -5,6 +5,7 @@ import torch
 
 from labkit import models
 from labkit.evaluate import generate
+from tests.permissions import UMASK_CASES, modes, umask
 
 
 @pytest.mark.parametrize("factory", [models.tiny_llama, models.tiny_gpt2])
@@ -85,3 +86,18 @@ def test_lab_llama_is_sized_by_the_profile():
         PROFILES["smoke"].lm_hidden, PROFILES["smoke"].lm_layers, 3 * PROFILES["smoke"].lm_hidden,
         PROFILES["smoke"].block_size)
     assert cfg.num_key_value_heads == 2 and cfg.vocab_size == 1000
+
+
+@pytest.mark.parametrize("mask, file_mode, dir_mode", UMASK_CASES)
+def test_saved_models_get_the_modes_the_umask_gives(tmp_path, mask, file_mode, dir_mode):
+    from tokenizers import Tokenizer, models as tmodels
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(512)} | {"<unk>": 0}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(tmodels.WordLevel(vocab, unk_token="<unk>")),
+                                  eos_token="t1")
+    with umask(mask):
+        dest = models.save_model(models.tiny_llama(), tok, tmp_path / "m")
+    found = modes(dest)
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= found.keys()  # safetensors writes 0600
+    assert found == dict.fromkeys(found, file_mode) | {".": dir_mode}

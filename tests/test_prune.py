@@ -13,6 +13,7 @@ from labkit import prune
 from labkit.models import load_model, save_model, tiny_llama
 from labkit.train import TrainConfig
 from tests.numerics import FLOAT64
+from tests.permissions import UMASK_CASES, modes, umask
 
 
 def _model(**kwargs):
@@ -363,3 +364,11 @@ def test_semi_structured_model_matches_its_dense_2_4_twin():
     expected = _logits(model, ids)
     assert prune.to_semi_structured(model) == 14
     torch.testing.assert_close(_logits(model, ids), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("mask, file_mode, dir_mode", UMASK_CASES)
+def test_saved_masks_get_the_modes_the_umask_gives(tmp_path, mask, file_mode, dir_mode):
+    masks = prune.magnitude_prune(_model(), 0.5).masks
+    with umask(mask):
+        prune.save_masks(masks, tmp_path / "out" / "masks.safetensors")
+    assert modes(tmp_path / "out") == {".": dir_mode, "masks.safetensors": file_mode}

@@ -14,6 +14,7 @@ from labkit import quant
 from labkit.models import tiny_llama
 from labkit.quant import QuantConfig
 from tests.numerics import FLOAT64, assert_within, reorder_bound
+from tests.permissions import UMASK_CASES, modes, umask
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -494,3 +495,19 @@ def test_layers_sharing_an_input_quantize_stacked_as_each_alone(act_order):
         assert torch.equal(part.codes, alone.codes) and torch.equal(part.g_idx, alone.g_idx)
         assert torch.equal(part.zeros, alone.zeros)
         torch.testing.assert_close(part.scales, alone.scales)
+
+
+@pytest.mark.parametrize("mask, file_mode, dir_mode", UMASK_CASES)
+def test_gptq_checkpoints_get_the_modes_the_umask_gives(tiny, tmp_path, mask, file_mode, dir_mode):
+    from transformers import PreTrainedTokenizerFast
+
+    from labkit.tokenizer import train_bpe
+
+    bpe = train_bpe(["hello world"] * 3, 270, progress=False)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe.to_hf(), eos_token="<|endoftext|>")
+    qm = quant.quantize_model(tiny, QuantConfig(bits=4, group_size=32), method="rtn", progress=False)
+    with umask(mask):
+        dest = quant.save_gptq(qm, tokenizer, tmp_path / "q")
+    found = modes(dest)
+    assert {"model.safetensors", "config.json", "quantize_config.json", "tokenizer.json"} <= found.keys()
+    assert found == dict.fromkeys(found, file_mode) | {".": dir_mode}

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from labkit import shards
+from tests.permissions import UMASK_CASES, modes, umask
 
 
 def test_concat_and_pack():
@@ -156,3 +157,10 @@ def test_tokenize_to_shards_with_either_tokenizer(tmp_path, default_model):
     assert shards.tokenizer_fingerprint(hf) != shards.tokenizer_fingerprint(bpe)
     with pytest.raises(TypeError, match="fast"):
         shards.tokenizer_fingerprint(object())
+
+
+@pytest.mark.parametrize("mask, file_mode, dir_mode", UMASK_CASES)
+def test_shards_get_the_modes_the_umask_gives(tmp_path, mask, file_mode, dir_mode):
+    with umask(mask):
+        shards.write_shard(tmp_path / "data" / "s0", np.arange(10), vocab_size=300, tokenizer="t")
+    assert modes(tmp_path / "data") == {".": dir_mode, "s0.bin": file_mode, "s0.json": file_mode}

@@ -7,6 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from labkit import tokenizer as T
 from labkit.data import load_corpus
+from tests.permissions import UMASK_CASES, modes, umask
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +111,11 @@ def test_training_stops_when_no_pair_is_left():
     tok = T.train_bpe(["ab ab"], 1000, progress=False)  # pre-tokens "ab" and " ab"
     assert tok.merges == [(b"a", b"b"), (b" ", b"ab")] == T.hf_merges(T.train_hf_bpe(["ab ab"], 1000))
     assert tok.vocab_size == 257 + 2  # each pre-token is one token: nothing left to merge
+
+
+@pytest.mark.parametrize("mask, file_mode, dir_mode", UMASK_CASES)
+def test_saved_tokenizers_get_the_modes_the_umask_gives(tmp_path, mask, file_mode, dir_mode):
+    bpe = T.train_bpe(["hello world"] * 3, 270, progress=False)
+    with umask(mask):
+        bpe.save(tmp_path / "tok" / "tokenizer.json")
+    assert modes(tmp_path / "tok") == {".": dir_mode, "tokenizer.json": file_mode}
