@@ -1,6 +1,7 @@
 """Tokens/s and MFU per precision mode for a GPT-2-small-sized model (12 × 768, 124 M parameters with
-GPT-2's vocabulary), side by side in one run. MFU uses 6N + 12·L·d·T FLOPs per token (N without
-embeddings) against the GPU's data-sheet peak for the mode; on a CPU the peak is unknown and MFU is n/a.
+GPT-2's vocabulary), side by side in one run. MFU uses 6N + 12·L·d·T FLOPs per token (N: every weight
+a token is multiplied by, the tied LM head included; bench.model_flops_per_token) against the GPU's
+data-sheet peak for the mode; on a CPU the peak is unknown and MFU is n/a.
 
     python benchmarks/precision_mfu.py --device cuda --compile            # the H100 target: bf16 MFU >= 55 %
     python benchmarks/precision_mfu.py --layers 2 --hidden 128 --steps 4  # a quick CPU check
@@ -14,7 +15,7 @@ import statistics
 import torch
 
 from labkit import bench, precision
-from labkit.models import count_parameters, tiny_gpt2
+from labkit.models import tiny_gpt2
 from labkit.train import TrainConfig, fit
 
 
@@ -44,10 +45,9 @@ def main() -> None:
             continue
         model = tiny_gpt2(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
                           num_heads=args.hidden // 64, max_position_embeddings=args.seq).to(device)
-        n = count_parameters(model) - model.get_input_embeddings().weight.numel()
         history = fit(model, batches, TrainConfig(steps=args.steps, precision=mode, compile=args.compile, progress=False))
         tokens_per_s = statistics.median(h["tokens_per_s"] for h in history[len(history) // 2:])  # after warm-up
-        flops = tokens_per_s * bench.transformer_flops_per_token(n, args.layers, args.hidden, args.seq)
+        flops = tokens_per_s * bench.model_flops_per_token(model, args.seq)
         util = bench.mfu(flops, bench.device_peak_flops(mode, device))
         print(f"{mode:>5}: {tokens_per_s:>12,.0f} tokens/s, {flops / 1e12:8.2f} TFLOP/s, "
               f"MFU {'n/a' if util is None else f'{util:.1%}'}")

@@ -19,15 +19,22 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
+from torch import nn
+
+from labkit import precision
 
 # ----------------------------------------------------------------------------- timing
 
 
 def as_device(device: str | torch.device | None) -> torch.device:
-    """A torch.device; None means CUDA when available, else CPU."""
+    """A torch.device; None means CUDA when available, else CPU. Asking for CUDA where torch has none is
+    a clear error here, not a driver message later."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    dev = torch.device(device)
+    if problem := precision.cuda_problem(dev):
+        raise ValueError(problem)
+    return dev
 
 
 def synchronize(device: str | torch.device | None = None) -> None:
@@ -259,15 +266,32 @@ def matmul_flops(m: int, n: int, k: int) -> int:
 
 
 def transformer_flops_per_token(
-    n_params: int, n_layers: int, d_model: int, seq_len: int, training: bool = True
+    n_params: int, n_layers: int, d_attn: int, seq_len: int, training: bool = True
 ) -> float:
     """Model FLOPs per token: 6N + 12·L·d·T for a training step (fwd+bwd), a third of it forward only.
 
-    N excludes embeddings by convention (PaLM appendix B); the second term is attention's
-    score and value products, which parameter counts miss.
+    N counts the weights every token is multiplied by: all linear layers, the LM head included even
+    when it shares the embedding's storage (the embedding lookup itself costs nothing); see
+    matmul_parameters. The second term is attention's score and value products over d = heads ×
+    head size (the model width for GPT-2 and Llama), which parameter counts miss.
     """
-    train = 6 * n_params + 12 * n_layers * d_model * seq_len
+    train = 6 * n_params + 12 * n_layers * d_attn * seq_len
     return train if training else train / 3
+
+
+def matmul_parameters(model: nn.Module) -> int:
+    """Weights a token is multiplied by: every linear layer's (transformers' Conv1D for GPT-2), the LM
+    head's counted even when tied to the embedding, whose lookup is not a multiplication."""
+    from transformers.pytorch_utils import Conv1D
+
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, (nn.Linear, Conv1D)))
+
+
+def model_flops_per_token(model: nn.Module, seq_len: int, training: bool = True) -> float:
+    """transformer_flops_per_token for a transformers causal LM, read from its modules and config."""
+    cfg = model.config
+    d_attn = cfg.num_attention_heads * (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    return transformer_flops_per_token(matmul_parameters(model), cfg.num_hidden_layers, d_attn, seq_len, training)
 
 
 # Dense peak throughput (FLOP/s) from vendor data sheets (without sparsity). SXM parts; PCIe
@@ -319,19 +343,9 @@ def dtype_support(device: str | torch.device | None = None) -> dict[str, str | N
     return {
         "fp32": None,
         "tf32": None if major >= 8 else "TF32 needs compute capability 8.0 (Ampere) or newer",
-        "bf16": None if torch.cuda.is_bf16_supported() else "this GPU has no native bf16",
+        "bf16": None if precision.native_bf16(dev) else "this GPU has no native bf16 (compute capability < 8.0)",
         "fp16": None,
     }
-
-
-@contextlib.contextmanager
-def _tf32(enabled: bool) -> Iterator[None]:
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = enabled
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = old
 
 
 def matmul_throughput(
@@ -345,7 +359,7 @@ def matmul_throughput(
     dev = as_device(device)
     a = torch.randn(size, size, device=dev, dtype=DTYPES[dtype])
     b = torch.randn(size, size, device=dev, dtype=DTYPES[dtype])
-    with _tf32(dtype == "tf32"):
+    with precision.tf32(dtype == "tf32"):
         timing = time_fn(lambda: a @ b, warmup=warmup, repeats=repeats, device=dev)
     flops = matmul_flops(size, size, size) / timing.median
     peak = device_peak_flops(dtype, dev)

@@ -44,6 +44,8 @@ def _shards(args: argparse.Namespace) -> int:
     if args.documents is not None and args.documents < 1:
         raise ValueError(f"--documents must be >= 1, got {args.documents}")
     out = args.output or shards.default_dir()
+    if problem := assets.write_access_problem(out):
+        raise ValueError(f"{problem}; or write the shards elsewhere (labkit shards DIR) and pass --shards DIR")
     texts = load_corpus("wiki", "train")[: args.documents]
     with assets.atomic_directory(out) as tmp:  # a job never sees half the shards
         paths = shards.tokenize_to_shards(texts, load_tokenizer(args.model), tmp, shard_tokens=args.shard_tokens)

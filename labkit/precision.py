@@ -39,21 +39,48 @@ class Policy:
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:
-        """The forward-pass context for this policy (TF32 switched for the duration)."""
-        old = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = self.tf32
-        try:
-            if self.autocast_dtype is None:
+        """The forward-pass context: autocast to the policy's 16-bit type, if it has one."""
+        if self.autocast_dtype is None:
+            yield
+        else:
+            with torch.autocast(self.device_type, dtype=self.autocast_dtype):
                 yield
-            else:
-                with torch.autocast(self.device_type, dtype=self.autocast_dtype):
-                    yield
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = old
+
+    def matmul_precision(self) -> contextlib.AbstractContextManager[None]:
+        """The whole-step context: TF32 for fp32 matmuls on or off. It must wrap the backward too, which
+        runs outside autocast and does two thirds of the step's matmuls."""
+        return tf32(self.tf32)
 
     def scaler(self) -> torch.amp.GradScaler:
         """A GradScaler, enabled only where the policy needs one (a disabled one is a no-op)."""
         return torch.amp.GradScaler(self.device_type, enabled=self.use_scaler)
+
+
+@contextlib.contextmanager
+def tf32(enabled: bool) -> Iterator[None]:
+    """Let fp32 matmuls use TF32 tensor cores (or not) for the duration; restores the previous setting."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def cuda_problem(device: str | torch.device) -> str | None:
+    """Why CUDA `device` cannot be used here (a CPU-only torch, no GPU visible), or None if it can."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or torch.cuda.is_available():
+        return None
+    if torch.version.cuda is None:
+        return f"CUDA was asked for, but this torch ({torch.__version__}) is a CPU-only build"
+    return f"CUDA was asked for, but torch (built for CUDA {torch.version.cuda}) sees no GPU: check the driver and CUDA_VISIBLE_DEVICES"
+
+
+def native_bf16(device: str | torch.device) -> bool:
+    """Whether this CUDA GPU computes bf16 in hardware (compute capability 8.0, Ampere, or newer).
+    torch.cuda.is_bf16_supported() also counts emulation, which passes a V100 or T4 at fp32 speed."""
+    return torch.cuda.get_device_capability(torch.device(device))[0] >= 8
 
 
 def kept_fraction(values: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> float:
@@ -85,13 +112,16 @@ def policy(mode: str, device: str | torch.device) -> Policy:
         raise ValueError(f"unknown precision {mode!r}; choose one of {MODES}")
     dev = torch.device(device)
     cuda = dev.type == "cuda"
+    if problem := cuda_problem(dev):
+        raise ValueError(f"{problem}; use device 'cpu'")
     if mode == "fp16" and not cuda:
         raise ValueError("fp16 mixed precision with loss scaling is a GPU mode; on a CPU use 'bf16' (same range as fp32, "
                          "no loss scaler needed) or 'fp32'")
     if mode == "tf32" and not (cuda and torch.cuda.get_device_capability(dev)[0] >= 8):
         raise ValueError("TF32 needs an NVIDIA GPU of compute capability 8.0 (Ampere) or newer; use 'fp32' here")
-    if mode == "bf16" and cuda and not torch.cuda.is_bf16_supported():
-        raise ValueError("this GPU has no native bf16; use 'fp16' (with loss scaling) or 'fp32'")
+    if mode == "bf16" and cuda and not native_bf16(dev):
+        raise ValueError("this GPU has no native bf16 (compute capability < 8.0: torch would emulate it); "
+                         "use 'fp16' (with loss scaling) or 'fp32'")
     return Policy(
         mode=mode,
         device_type=dev.type,

@@ -181,7 +181,8 @@ def train_step(
     policy: precision.Policy, scaler: torch.amp.GradScaler, grad_clip: float | None,
 ) -> dict[str, float | int | bool]:
     """One optimizer step: accumulate, unscale, clip (reporting the pre-clip norm), step, zero grads."""
-    loss, tokens = accumulate_gradients(model, micro_batches, policy, scaler)
+    with policy.matmul_precision():  # TF32, when on, for the backward too: autocast covers only the forward
+        loss, tokens = accumulate_gradients(model, micro_batches, policy, scaler)
     if not scaler.is_enabled() and not math.isfinite(loss):
         optimizer.zero_grad(set_to_none=True)
         raise FloatingPointError(f"non-finite loss {loss}: lower the learning rate, check the data, or use "

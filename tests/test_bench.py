@@ -94,6 +94,52 @@ def test_flop_formulas():
         bench.tokens_per_second(1, 0)
 
 
+def _on_meta(make):
+    """A full-size model with no memory behind it: FLOP counting needs shapes only."""
+    with torch.device("meta"):
+        model = make()
+    model.set_attn_implementation("eager")  # attention as matmuls, which FlopCounterMode counts
+    return model
+
+
+def _gpt2(layers, width, heads, vocab):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=width, n_head=heads, vocab_size=vocab, n_positions=2048))
+
+
+def _llama(tied):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(  # SmolLM2-135M's shape
+        num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,
+        vocab_size=49152, tie_word_embeddings=tied, max_position_embeddings=2048))
+
+
+@pytest.mark.parametrize("make, seq_len", [
+    (lambda: _gpt2(12, 768, 12, 50257), 256),  # GPT-2 small, tied head
+    (lambda: _gpt2(2, 64, 4, 512), 1024),  # attention-dominated
+    (lambda: _llama(tied=True), 512),
+    (lambda: _llama(tied=False), 512),
+], ids=["gpt2-small", "gpt2-tiny-long", "llama-tied", "llama-untied"])
+def test_model_flops_per_token_equals_torch_flop_counter(make, seq_len):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = _on_meta(make)
+    x = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=x, labels=x).loss.backward()
+    assert bench.model_flops_per_token(model, seq_len) == pytest.approx(counter.get_total_flops() / seq_len, rel=0.02)
+
+
+def test_matmul_parameters_count_the_tied_lm_head():
+    model = _on_meta(lambda: _gpt2(12, 768, 12, 50257))
+    # per layer: qkv 768×2304, out 768×768, MLP 768×3072 and 3072×768; then the head 768×50257 (tied to wte)
+    assert bench.matmul_parameters(model) == 12 * (768 * 2304 + 768**2 + 2 * 768 * 3072) + 768 * 50257
+    # the issue's numbers: 6N without the head gives 540 M FLOPs per token at T = 256, the model does 770 M
+    assert bench.model_flops_per_token(model, 256) / 1e6 == pytest.approx(769.5, abs=0.1)
+
+
 @pytest.mark.parametrize("name, dtype, peak", [
     ("NVIDIA H100 80GB HBM3", "bf16", 989.4e12),
     ("NVIDIA A100-SXM4-80GB", "tf32", 156e12),
@@ -102,6 +148,7 @@ def test_flop_formulas():
     ("Tesla T4", "bf16", None),
 ])
 def test_device_peak_flops_matches_gpu_names(monkeypatch, name, dtype, peak):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     assert bench.device_peak_flops(dtype, "cuda") == peak
 
