@@ -223,31 +223,58 @@ def release_memory() -> None:
             pass
 
 
+_open_regions: list[PeakMemory] = []  # track_peak_memory regions now open, outermost first
+
+
+def _peak_counter(dev: torch.device) -> tuple[str, int | None]:
+    """(kind, bytes) of the resettable peak counter for `dev`: CUDA allocator, else the kernel's VmHWM."""
+    if dev.type == "cuda":
+        return "cuda_allocated", torch.cuda.max_memory_allocated(dev)
+    hwm = _proc_status_kib("VmHWM")
+    return "rss", None if hwm is None else hwm * 1024
+
+
+def _reset_peak_counter(dev: torch.device) -> bool:
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+        return True
+    return _reset_peak_rss()
+
+
 @contextlib.contextmanager
 def track_peak_memory(device: str | torch.device | None = None) -> Iterator[PeakMemory]:
-    """Measure the peak memory of the `with` block: CUDA allocator on GPU, resident set on CPU."""
+    """Measure the peak memory of the `with` block: CUDA allocator on GPU, resident set on CPU.
+
+    Regions nest: the counter is shared, so before an inner region resets it, every enclosing region
+    takes the peak so far, and after it ends they take its peak; an outer figure never loses one.
+    """
     dev = as_device(device)
     result = PeakMemory(device=str(dev))
-    if dev.type == "cuda":
-        synchronize(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        result.kind, result.start_bytes = "cuda_allocated", torch.cuda.memory_allocated(dev)
+    synchronize(dev)
+    kind, peak = _peak_counter(dev)
+    start = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else _proc_status_kib("VmRSS")
+    if start is None or peak is None or not _reset_peak_counter(dev):
+        # No resettable counter (macOS, Windows): the process-lifetime peak is the best honest figure.
+        scale = 1 if platform.system() == "Darwin" else 1024
+        result.kind = "rss_since_process_start"
+        result.start_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
         yield result
-        synchronize(dev)
-        result.peak_bytes = torch.cuda.max_memory_allocated(dev)
+        result.peak_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
         return
-    rss = _proc_status_kib("VmRSS")
-    if _reset_peak_rss() and rss is not None:
-        result.kind, result.start_bytes = "rss", rss * 1024
+    for outer in _open_regions:
+        if outer.device == result.device:
+            outer.peak_bytes = max(outer.peak_bytes, peak)
+    result.kind, result.start_bytes = kind, start * (1 if dev.type == "cuda" else 1024)
+    _open_regions.append(result)
+    try:
         yield result
-        result.peak_bytes = (_proc_status_kib("VmHWM") or 0) * 1024
-        return
-    # No resettable counter (macOS, Windows): the process-lifetime peak is the best honest figure.
-    scale = 1 if platform.system() == "Darwin" else 1024
-    result.kind = "rss_since_process_start"
-    result.start_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
-    yield result
-    result.peak_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+    finally:
+        _open_regions.remove(result)
+        synchronize(dev)
+        result.peak_bytes = max(result.peak_bytes, _peak_counter(dev)[1] or 0)
+        for outer in _open_regions:
+            if outer.device == result.device:
+                outer.peak_bytes = max(outer.peak_bytes, result.peak_bytes)
 
 
 # ----------------------------------------------------------------------------- throughput and FLOPs

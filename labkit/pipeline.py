@@ -4,7 +4,7 @@ record when every stage computes which micro-batch, and measure the bubble again
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -38,7 +38,7 @@ def schedule_order(schedule: str, stage: int, stages: int, microbatches: int) ->
 
 
 def executed_order(events: list[dict[str, Any]], rank: int) -> list[tuple[str, int]]:
-    """The (kind, micro-batch) sequence a rank actually ran, from `record_events`."""
+    """The (kind, micro-batch) sequence a rank actually ran, from `StageTimeline.events`."""
     return [(e["kind"], e["microbatch"]) for e in sorted(events, key=lambda e: e["start"]) if e["rank"] == rank]
 
 
@@ -80,25 +80,56 @@ class LlamaStage(nn.Module):
         return self.head(self.norm(h)) if self.last else h
 
 
-def record_events(stage: Any, rank: int) -> list[dict[str, Any]]:
-    """Wrap a PipelineStage so that each forward/backward of a micro-batch is timed; return the event list.
+class StageTimeline:
+    """Times every forward and backward of one PipelineStage on a clock the ranks of a machine share.
 
-    time.perf_counter reads the machine-wide monotonic clock on Linux, so events of all ranks of
-    one machine share a time axis.
+    On a CPU the work is done when a call returns, so time.perf_counter (machine-wide and monotonic on
+    Linux) brackets it. On CUDA a call returns once its kernels are queued: CUDA events recorded on the
+    stream time the kernels themselves, and one reference event recorded right after a synchronization
+    in `start` places them on the perf_counter axis. No synchronization inside the step, which would
+    change the schedule being measured.
     """
-    events: list[dict[str, Any]] = []
 
-    def timed(kind: str, method):
-        def run(chunk_id, *args, **kwargs):
-            start = time.perf_counter()
+    def __init__(self, stage: Any, rank: int, device: torch.device):
+        self.rank, self.cuda = rank, torch.device(device).type == "cuda"
+        self._raw: list[dict[str, Any]] = []
+        self._origin: tuple[float, Any] | None = None
+        stage.forward_one_chunk = self._timed("F", stage.forward_one_chunk)
+        stage.backward_one_chunk = self._timed("B", stage.backward_one_chunk)
+
+    def _mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _timed(self, kind: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def run(chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            start = self._mark()
             out = method(chunk_id, *args, **kwargs)
-            events.append({"rank": rank, "kind": kind, "microbatch": chunk_id, "start": start, "end": time.perf_counter()})
+            self._raw.append({"rank": self.rank, "kind": kind, "microbatch": chunk_id, "start": start,
+                              "end": self._mark()})
             return out
         return run
 
-    stage.forward_one_chunk = timed("F", stage.forward_one_chunk)
-    stage.backward_one_chunk = timed("B", stage.backward_one_chunk)
-    return events
+    def start(self) -> None:
+        """Forget earlier steps and fix the time origin (call before the step to record)."""
+        self._raw.clear()
+        if self.cuda:
+            torch.cuda.synchronize()
+            self._origin = (time.perf_counter(), self._mark())
+
+    def events(self) -> list[dict[str, Any]]:
+        """The recorded events with start/end in perf_counter seconds (waits for the device first)."""
+        if not self.cuda:
+            return [dict(e) for e in self._raw]
+        if self._origin is None:
+            raise RuntimeError("call start() before the step, so CUDA times have an origin")
+        torch.cuda.synchronize()
+        t0, ref = self._origin
+        return [{**e, "start": t0 + ref.elapsed_time(e["start"]) / 1e3, "end": t0 + ref.elapsed_time(e["end"]) / 1e3}
+                for e in self._raw]
 
 
 def bubble_fraction(events: list[dict[str, Any]]) -> float:

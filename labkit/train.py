@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
-import psutil
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -332,12 +331,6 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
 # ----------------------------------------------------------------------------- the loop
 
 
-def _memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return psutil.Process().memory_info().rss
-
-
 def _data_parallel() -> tuple[int, int]:
     """(rank, world size) of the initialized process group, else (0, 1)."""
     if dist.is_available() and dist.is_initialized():
@@ -382,10 +375,10 @@ def fit(model: nn.Module, loader: Iterable, cfg: TrainConfig) -> list[dict[str, 
         for group in optimizer.param_groups:
             group["lr"] = lr
         micro = [as_batch(next(data), device) for _ in range(cfg.accum_steps)]
-        with bench.stopwatch(device) as elapsed:
+        with bench.track_peak_memory(device) as memory, bench.stopwatch(device) as elapsed:
             metrics = train_step(step_model, optimizer, micro, policy, scaler, cfg.grad_clip)
-        record = {"step": step + 1, "lr": lr, **metrics, "seconds": elapsed.seconds,
-                  "tokens_per_s": metrics["tokens"] / elapsed.seconds, "memory_bytes": _memory_bytes(device)}
+        record = {"step": step + 1, "lr": lr, **metrics, "seconds": elapsed.seconds,  # memory: the step's peak
+                  "tokens_per_s": metrics["tokens"] / elapsed.seconds, "memory_bytes": memory.peak_bytes}
         history.append(record)
         if cfg.log_path and rank == 0:
             bench.log_result(cfg.log_path, {"event": "train_step", **record})

@@ -83,6 +83,22 @@ def test_peak_memory_is_per_region_on_linux():
         assert small.delta_bytes < 50 * 2**20 < big.delta_bytes
 
 
+def test_nested_regions_keep_the_outer_peak():
+    """An inner region resets the shared counter; the outer one must still report what came before it."""
+    with bench.track_peak_memory("cpu") as outer:
+        block = np.ones(300 * 2**20 // 8)  # 300 MiB, touched, then freed
+        del block
+        bench.release_memory()
+        with bench.track_peak_memory("cpu") as inner:
+            small = np.ones(20 * 2**20 // 8)
+            del small
+        after = np.ones(100 * 2**20 // 8)
+        del after
+    if outer.kind == "rss":
+        assert inner.delta_bytes < 100 * 2**20
+        assert outer.delta_bytes >= 290 * 2**20  # without nesting: ~100 MiB, the peak after the inner reset
+
+
 def test_flop_formulas():
     assert bench.matmul_flops(2, 3, 4) == 48
     # 6N + 12·L·d·T for N=1e6, L=2, d=64, T=128

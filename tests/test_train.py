@@ -146,6 +146,27 @@ def test_fit_learns_and_logs_bf16_on_cpu(data, tmp_path):
     assert [r["step"] for r in read_results(log)] == list(range(1, 31))
 
 
+def test_memory_figure_is_the_peak_of_each_step(data):
+    """memory_bytes is the step's peak (allocator on CUDA, resident set on CPU), not what is left after it."""
+    import numpy as np
+
+    from labkit.bench import _proc_status_kib
+
+    model = tiny_llama(vocab_size=128)
+    starts = []
+
+    def spike(*_):  # a 200 MiB temporary inside every step's forward, freed before the step ends
+        starts.append(_proc_status_kib("VmRSS") * 1024)
+        np.ones(200 * 2**20 // 8).sum()
+
+    model.model.layers[0].register_forward_hook(spike)
+    history = fit(model, shards.make_loader(data, block_size=16, batch_size=2), TrainConfig(steps=3, progress=False))
+    if _proc_status_kib("VmHWM") is None:
+        pytest.skip("no /proc/self/status: the resident-set peak is not per region here")
+    for record, start in zip(history, starts):
+        assert record["memory_bytes"] >= start + 190 * 2**20
+
+
 def test_checkpoint_round_trip_and_errors(data, tmp_path):
     model = tiny_gpt2(vocab_size=128)
     cfg = TrainConfig(steps=4, checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=2, keep_checkpoints=1,

@@ -13,7 +13,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from labkit.distributed import rank_context, save_result
 from labkit.models import tiny_llama
-from labkit.pipeline import LlamaStage, max_in_flight, record_events, saved_activation_bytes
+from labkit.pipeline import LlamaStage, StageTimeline, max_in_flight, saved_activation_bytes
 
 
 def main() -> None:
@@ -71,12 +71,13 @@ def main() -> None:
         activation_bytes = saved_activation_bytes(stage_module, inputs)
         model.zero_grad(set_to_none=True)
 
-        events = record_events(stage, rank)
+        timeline = StageTimeline(stage, rank, device)
         for _ in range(args.steps):
             model.zero_grad(set_to_none=True)
-            events.clear()  # keep the last step's timeline
+            timeline.start()  # keep the last step's timeline
             torch.distributed.barrier()
             step()
+        events = timeline.events()
         save_result({"rank": rank, "world": world, "schedule": args.schedule, "microbatches": args.microbatches,
                      "max_grad_diff": grad_diff, "loss_diff": loss_diff, "events": events,
                      "activation_bytes_per_microbatch": activation_bytes,
