@@ -277,6 +277,45 @@ def track_peak_memory(device: str | torch.device | None = None) -> Iterator[Peak
                 outer.peak_bytes = max(outer.peak_bytes, result.peak_bytes)
 
 
+def memory_in_use(device: str | torch.device | None = None) -> int:
+    """Bytes in use now: the CUDA allocator's on a GPU, the resident set on a CPU (Linux; 0 elsewhere)."""
+    dev = as_device(device)
+    if dev.type == "cuda":
+        synchronize(dev)
+        return torch.cuda.memory_allocated(dev)
+    return (_proc_status_kib("VmRSS") or 0) * 1024
+
+
+def decode_benchmark(
+    load: Callable[[], nn.Module], prompt_ids: torch.Tensor, new_tokens: int, *,
+    device: str | torch.device | None = None, warmup: int = 1, repeats: int = 5,
+) -> dict[str, Any]:
+    """Greedy decode speed and memory of one model, loaded inside the measurement and freed after it.
+
+    weights_bytes is the memory the load added, generate_bytes the generation's peak above that: the
+    model under test only, whatever else is resident, so models measured one after another compare.
+    """
+    if new_tokens < 1:
+        raise ValueError(f"new_tokens must be >= 1, got {new_tokens}")
+    dev = as_device(device)
+    release_memory()
+    before = memory_in_use(dev)
+    model = load()
+    weights = memory_in_use(dev) - before
+    prompt = prompt_ids.to(dev)
+
+    def generate() -> torch.Tensor:
+        return model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+
+    with track_peak_memory(dev) as peak, torch.inference_mode():
+        timing = time_fn(generate, warmup=warmup, repeats=repeats, device=dev)
+        produced = generate().shape[1] - prompt.shape[1]
+    del model
+    release_memory()
+    return {"tokens_per_s": prompt.shape[0] * produced / timing.median, "new_tokens": produced, "timing": timing,
+            "weights_bytes": weights, "generate_bytes": peak.delta_bytes, "memory_kind": peak.kind}
+
+
 # ----------------------------------------------------------------------------- throughput and FLOPs
 
 

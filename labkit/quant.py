@@ -880,3 +880,14 @@ def load_with_transformers(path: str | Path, device: str = "cpu") -> nn.Module:
 
     with _quiet(f"loading {path} through transformers"):
         return AutoModelForCausalLM.from_pretrained(str(path), device_map=device).eval()
+
+
+def gptq_kernels(model: nn.Module) -> dict[str, int]:
+    """Which GPTQModel kernel runs the model's quantized linears, counted by class and backend, e.g.
+    {"MarlinLinear (gptq_marlin)": 210}: GPTQModel picks one per device at load time, silently."""
+    from collections import Counter
+
+    from gptqmodel.nn_modules.qlinear import BaseQuantLinear
+
+    return dict(Counter(f"{type(m).__name__} ({m.SUPPORTS_BACKENDS[0].value})"
+                        for m in model.modules() if isinstance(m, BaseQuantLinear)))

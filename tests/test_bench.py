@@ -99,6 +99,27 @@ def test_nested_regions_keep_the_outer_peak():
         assert outer.delta_bytes >= 290 * 2**20  # without nesting: ~100 MiB, the peak after the inner reset
 
 
+def test_decode_benchmark_loads_measures_and_frees_the_model():
+    import weakref
+
+    from labkit.models import tiny_llama
+
+    loaded = []
+
+    def load():
+        model = tiny_llama(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                           intermediate_size=64).eval()
+        loaded.append(weakref.ref(model))
+        return model
+
+    result = bench.decode_benchmark(load, torch.zeros(2, 5, dtype=torch.long), 7, device="cpu", repeats=2)
+    assert result["new_tokens"] == 7 and result["timing"].repeats == 2
+    assert result["tokens_per_s"] == pytest.approx(2 * 7 / result["timing"].median)
+    assert len(loaded) == 1 and loaded[0]() is None  # loaded once, and not kept alive by the benchmark
+    with pytest.raises(ValueError, match="new_tokens"):
+        bench.decode_benchmark(load, torch.zeros(1, 5, dtype=torch.long), 0)
+
+
 def test_flop_formulas():
     assert bench.matmul_flops(2, 3, 4) == 48
     # 6N + 12·L·d·T for N=1e6, L=2, d=64, T=128

@@ -432,6 +432,9 @@ def test_a_labkit_checkpoint_loads_through_transformers(tiny, calibration, tmp_p
     hf = quant.load_with_transformers(tmp_path / "q")
     module = hf.model.layers[1].mlp.down_proj
     assert type(module).__module__.startswith("gptqmodel")  # a packed kernel, not a dense nn.Linear
+    # every decoder linear (7 per block) runs one CPU kernel: ATen's int4 matmul, or plain torch for 3 bits
+    kernel = {4: "TorchAtenLinear (gptq_torch_aten)", 3: "TorchLinear (gptq_torch)"}[bits]
+    assert quant.gptq_kernels(hf) == {kernel: 7 * hf.config.num_hidden_layers}
     theirs = quant.unpack_weight({k: getattr(module, k) for k in ("qweight", "qzeros", "scales", "g_idx")},
                                  bits, module.in_features, v1=False)  # GPTQModel converts to v2 on load
     ours = qm.weights["model.layers.1.mlp.down_proj"]
