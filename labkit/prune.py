@@ -476,10 +476,21 @@ def semi_structured_support(device: str | torch.device | None = None) -> str | N
     return None
 
 
+def semi_structured_backend() -> str:
+    """Which 2:4 kernels run: 'cusparselt' when this torch has NVIDIA's cuSPARSELt (what
+    to_sparse_semi_structured assumes), else 'cutlass', torch's own kernels, instead of a failure."""
+    return "cusparselt" if torch.backends.cusparselt.is_available() else "cutlass"
+
+
+def _semi_structured(weight: torch.Tensor) -> torch.Tensor:
+    from torch.sparse import SparseSemiStructuredTensorCUSPARSELT, SparseSemiStructuredTensorCUTLASS
+
+    kind = {"cusparselt": SparseSemiStructuredTensorCUSPARSELT, "cutlass": SparseSemiStructuredTensorCUTLASS}
+    return kind[semi_structured_backend()].from_dense(weight)
+
+
 def to_semi_structured(model: nn.Module, **selection: Any) -> int:
     """Swap every selected 2:4-sparse fp16/bf16 weight for a torch.sparse semi-structured tensor (inference, GPU)."""
-    from torch.sparse import to_sparse_semi_structured
-
     reason = semi_structured_support(next(model.parameters()).device)
     if reason:
         raise RuntimeError(reason)
@@ -490,7 +501,7 @@ def to_semi_structured(model: nn.Module, **selection: Any) -> int:
                          "cast the model with .half() and run nm_prune(model, 2, 4) first")
     modules = dict(model.named_modules())
     for name, w in weights.items():
-        modules[name].weight = nn.Parameter(to_sparse_semi_structured(w.detach()), requires_grad=False)
+        modules[name].weight = nn.Parameter(_semi_structured(w.detach()), requires_grad=False)
     return len(weights)
 
 
@@ -499,8 +510,6 @@ def semi_structured_speedup(
     device: str | torch.device = "cuda", warmup: int = 5, repeats: int = 20,
 ) -> dict[str, float]:
     """Time one 2:4-pruned linear layer dense and as a torch.sparse semi-structured tensor (medians)."""
-    from torch.sparse import to_sparse_semi_structured
-
     reason = semi_structured_support(device)
     if reason:
         raise RuntimeError(reason)
@@ -508,10 +517,11 @@ def semi_structured_speedup(
     weight = torch.randn(out_features, in_features, device=device, dtype=dtype)
     weight *= nm_masks({"w": weight})["w"]
     x = torch.randn(tokens, in_features, device=device, dtype=dtype)
-    sparse = to_sparse_semi_structured(weight)
+    sparse = _semi_structured(weight)
     error = (torch.nn.functional.linear(x, sparse) - torch.nn.functional.linear(x, weight)).abs().max().item()
     t = bench.time_interleaved({"dense": lambda: torch.nn.functional.linear(x, weight),
                                 "sparse": lambda: torch.nn.functional.linear(x, sparse)},
                                warmup=warmup, repeats=repeats, device=device)
     return {"dense_s": t["dense"].median, "sparse_s": t["sparse"].median,
-            "speedup": t["dense"].median / t["sparse"].median, "max_abs_error": error}
+            "speedup": t["dense"].median / t["sparse"].median, "max_abs_error": error,
+            "backend": semi_structured_backend()}

@@ -335,6 +335,20 @@ def test_recovery_refuses_decreasing_sparsity():
 # ----------------------------------------------------------------------------- 2:4 kernels
 
 
+@pytest.mark.parametrize("cusparselt, backend", [(True, "cusparselt"), (False, "cutlass")])
+def test_2_4_kernels_fall_back_to_cutlass_without_cusparselt(monkeypatch, cusparselt, backend):
+    from torch.sparse import SparseSemiStructuredTensorCUSPARSELT, SparseSemiStructuredTensorCUTLASS
+
+    monkeypatch.setattr(torch.backends.cusparselt, "is_available", lambda: cusparselt)
+    assert prune.semi_structured_backend() == backend
+    chosen = []
+    for cls in (SparseSemiStructuredTensorCUSPARSELT, SparseSemiStructuredTensorCUTLASS):
+        monkeypatch.setattr(cls, "from_dense", classmethod(lambda c, w: chosen.append(c) or w))
+    prune._semi_structured(torch.zeros(4, 4))
+    assert chosen == [{"cusparselt": SparseSemiStructuredTensorCUSPARSELT,
+                       "cutlass": SparseSemiStructuredTensorCUTLASS}[backend]]
+
+
 def test_semi_structured_kernels_report_why_they_cannot_run_here():
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the speed-up test runs instead")
