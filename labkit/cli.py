@@ -1,4 +1,4 @@
-"""Command line: `labkit doctor | prepare | shards | profile | lab | slurm | student`."""
+"""Command line: `labkit doctor | prepare | shards | profile | lab | slurm | gpu-check | student`."""
 
 from __future__ import annotations
 
@@ -93,6 +93,17 @@ def _slurm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gpu_check(args: argparse.Namespace) -> int:
+    from labkit import distributed, gpucheck
+
+    if args.plan:
+        for step in gpucheck.plan(max(distributed.visible_gpus(), 1), args.output.with_suffix(".benchmarks.jsonl")):
+            print(f"{step.name} ({step.timeout_s} s max, {step.gpus} GPU(s)): {' '.join(step.command)}")
+        return 0
+    report = gpucheck.gpu_check(args.output, run_labs=not args.no_labs)
+    return 1 if any(s["status"] != "passed" and s["status"] != "skipped" for s in report["steps"]) else 0
+
+
 def _student(args: argparse.Namespace) -> int:
     from labkit.student import build_student
 
@@ -137,6 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--account")
     p.add_argument("--output", "-o", help="write the script here instead of printing it")
     p.set_defaults(func=_slurm)
+    p = sub.add_parser("gpu-check", help="on a GPU machine: every lab under the gpu profile and the GPU benchmarks, "
+                                          "into one JSON; without CUDA, the CPU-side checks only")
+    p.add_argument("--output", "-o", type=Path, default=Path("results/gpu-check.json"))
+    p.add_argument("--no-labs", action="store_true", help="benchmarks only (minutes instead of an hour)")
+    p.add_argument("--plan", action="store_true", help="print the steps it would run, and run nothing")
+    p.set_defaults(func=_gpu_check)
     p = sub.add_parser("student", help="write the student notebooks: solutions replaced by stubs, outputs cleared")
     p.add_argument("--labs", default=str(LABS_DIR), help="the solution notebooks (default: the course's labs/)")
     p.add_argument("--output", "-o", default="build/student", help="where to write them (default: build/student)")

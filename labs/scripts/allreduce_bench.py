@@ -6,6 +6,9 @@ the library's, and labkit's ring built from point-to-point sends, side by side.
 
 import argparse
 
+import torch.distributed as dist
+
+from labkit.bench import log_result
 from labkit.distributed import rank_context, ring_all_reduce_, save_result, time_all_reduce
 
 
@@ -13,6 +16,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--megabytes", type=float, nargs="+", default=[0.25, 1, 4, 16, 64])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--log", help="also append rank 0's rows to this JSON-lines file (labkit.bench.log_result)")
     args = parser.parse_args()
     with rank_context() as (rank, world, device):
         rows = []
@@ -21,6 +25,9 @@ def main() -> None:
             rows.append({"bytes": numel * 4, "seconds": time_all_reduce(numel, device, args.repeats),
                          "ring_seconds": time_all_reduce(numel, device, args.repeats, all_reduce=ring_all_reduce_)})
         save_result({"rank": rank, "world": world, "device": str(device), "rows": rows})
+        if args.log and rank == 0:
+            log_result(args.log, {"benchmark": "all_reduce", "world": world, "backend": dist.get_backend(),
+                                  "rows": rows})
 
 
 if __name__ == "__main__":
