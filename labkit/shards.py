@@ -264,18 +264,20 @@ def make_loader(
     )
 
 
-def loader_throughput(loader: DataLoader, batches: int, device: str | torch.device | None = None) -> dict[str, float]:
-    """Tokens per second delivered to the device over `batches` batches (after one warm-up batch)."""
+def loader_throughput(loader: DataLoader, batches: int,
+                      device: str | torch.device | None = None) -> dict[str, float]:
+    """Tokens per second delivered to the device over `batches` batches of one epoch, after a warm-up."""
+    if not 0 < batches < len(loader):  # refuse rather than time fewer batches than asked
+        raise ValueError(f"cannot time {batches} batches: one epoch of this loader holds {len(loader)} and "
+                         f"the first is the warm-up, so at most {len(loader) - 1} can be timed; ask for "
+                         "fewer, or give the loader more data or smaller batches")
     dev = bench.as_device(device)
     it = iter(loader)
     next(it)  # start the workers
     tokens = 0
     with bench.stopwatch(dev) as elapsed:
         for _ in range(batches):
-            try:
-                x, y = next(it)
-            except StopIteration:
-                break
+            x, y = next(it)
             x = x.to(dev, non_blocking=True)
             y = y.to(dev, non_blocking=True)
             tokens += x.numel()

@@ -1,6 +1,9 @@
-"""Profiles: one table, env override, auto-detection, clear error on a typo."""
+"""Profiles: one table, env override, auto-detection, clear error on a typo, sizes that fit the data."""
 
 import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -54,3 +57,207 @@ def test_gptq_calibration_gives_the_default_model_a_well_conditioned_hessian(nam
 
     p = profiles.PROFILES[name]
     assert p.calibration_blocks * p.calibration_block_size >= quant.TOKENS_PER_INPUT * 1536
+
+
+# ----------------------------------------------------------------------------- sizes against the data
+#
+# Every lab draws documents, tokens, blocks and batches from the offline corpus with the profile's
+# sizes. The checks below recompute, from the data itself (token counts from the tokenizers, block
+# counts from the shard layout), what each lab asks for and what exists, for every profile. They
+# model the lab cells quoted in LAB_LINES; a lab that changes those lines fails here until its model
+# below is updated with it.
+
+LABS = Path(__file__).resolve().parents[1] / "labs"
+DEFAULT_SHARD_TOKENS = 2**20  # shards.tokenize_to_shards' default: the splits used here fit in one shard
+
+LAB_LINES = {
+    "00_gpu_setup": ["texts = validation[: profile.eval_documents]"],
+    "01_data_and_tokenization": [
+        "bpe_docs = kept[: profile.bpe_train_documents]",
+        "shard_paths = shards.write_shards(stream, out / \"shards\", shard_tokens=len(stream) // 4 + 1,",
+        "loader = shards.make_loader(shard_paths, profile.block_size, profile.batch_size, seed=0,",
+        "r = shards.loader_throughput(loader, profile.loader_batches, device)",
+    ],
+    "02_mixed_precision": [
+        "paths = shards.tokenize_to_shards(load_corpus(\"wiki\", \"train\"), tokenizer, data_dir)",
+        "cfg = TrainConfig(steps=profile.train_steps,",
+        "loader = shards.make_loader(paths, profile.block_size, profile.batch_size, seed=0, device=device)",
+    ],
+    "03_gradient_accumulation": [
+        "lengths = [profile.block_size >> k for k in (0, 3, 1, 4, 2, 0, 3, 1)]",
+        "load_corpus(\"wiki\", \"train\")[:8]), lengths)]",
+        "block = min(profile.block_size // 4, len(stream) // 8)",
+        "micro_size = max(1, profile.batch_size // 4)",
+        "paths = shards.tokenize_to_shards(load_corpus(\"wiki\", \"train\")[:400], tokenizer,",
+        "history = fit(model, loader, TrainConfig(steps=3, accum_steps=k, progress=False))",
+        "cfg = TrainConfig(steps=profile.train_steps, lr=2e-3,",
+        "grad_clip=1.0, accum_steps=4,",
+    ],
+    "04_data_parallelism": [
+        "shards.tokenize_to_shards(load_corpus(\"wiki\", \"train\")[:2000], tokenizer, data_dir,",
+        "data_dir, shard_tokens=2**17)",
+        "steps = max(4, profile.train_steps // 2)",
+        "micro = max(1, profile.batch_size // 4)",
+        "for nproc in (1, 2):",
+    ],
+    "06_magnitude_pruning": [
+        "eval_texts = validation[: profile.eval_documents]",
+        "probe_texts = validation[: profile.sensitivity_documents]",
+        "stream = torch.tensor(evaluate.token_stream(tokenizer, train_texts[:64]))",
+        "calibration = list(stream[: 8 * profile.finetune_block_size].view(8, -1).split(2))",
+        "paths = shards.tokenize_to_shards(train_texts, tokenizer, OUT / \"shards\")",
+        "shards.make_loader(paths, profile.finetune_block_size, profile.finetune_batch_size, seed=seed,",
+        "per_round = replace(finetune, steps=max(1, profile.finetune_steps // len(rounds_at)))",
+    ],
+    "07_gptq_quantization": [
+        "eval_texts = load_corpus(\"wiki\", \"validation\")[: profile.eval_documents]",
+        "calibration = quant.calibration_blocks(tokenizer, load_corpus(\"wiki\", \"train\"),",
+        "held_out = quant.calibration_blocks(tokenizer, load_corpus(\"wiki\", \"validation\"),",
+        "x = calibration[:1, :256].to(device)",
+    ],
+    "08_lora_finetuning": [
+        "train_examples = tasks.title_examples(\"train\")[: profile.lora_steps * profile.lora_batch_size]",
+        "held_out = tasks.title_examples(\"validation\", limit=profile.lora_eval_examples)",
+        "calibration = quant.calibration_blocks(tokenizer, load_corpus(\"wiki\", \"train\"),",
+    ],
+}
+
+
+@pytest.mark.parametrize("lab", list(LAB_LINES))
+def test_the_labs_still_draw_what_the_checks_model(lab):
+    import nbformat
+
+    cells = nbformat.read(LABS / f"{lab}.ipynb", as_version=4).cells
+    source = "\n".join(c.source for c in cells if c.cell_type == "code")
+    missing = [line for line in LAB_LINES[lab] if line not in source]
+    assert not missing, f"labs/{lab}.ipynb no longer has {missing}: update the model of it in this file"
+
+
+@dataclass(frozen=True)
+class Draw:
+    """One thing a lab draws: how much it asks for and how much the data holds."""
+
+    lab: str
+    what: str
+    asked: int
+    available: int
+
+
+def stream_tokens(doc_tokens: list[int]) -> int:
+    """Tokens of the EOS-joined stream the labs build (evaluate.token_stream, tokenize_to_shards)."""
+    return sum(n + 1 for n in doc_tokens)
+
+
+def loader_blocks(n_tokens: int, block_size: int, shard_tokens: int = DEFAULT_SHARD_TOKENS) -> int:
+    """Blocks a shard loader serves: shards of shard_tokens (the last shorter), (length - 1) // block each."""
+    full, rest = divmod(n_tokens, shard_tokens)
+    lengths = [shard_tokens] * full + [rest] * bool(rest)
+    return sum((n - 1) // block_size for n in lengths)
+
+
+@pytest.fixture(scope="module")
+def corpus() -> dict:
+    """The offline corpus counted: SmolLM2 tokens per article and per title; lab 01's cleaned articles."""
+    from labkit import clean
+    from labkit.data import load_documents
+    from labkit.models import load_tokenizer
+
+    tok = load_tokenizer("smollm2-135m")
+    counts = {}
+    for split in ("train", "validation"):
+        docs = load_documents("wiki", split)
+        for key, texts in ((split, [d.text for d in docs]), (f"{split} titles", [d.title for d in docs])):
+            counts[key] = [len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"]]
+    counts["kept"] = clean.clean_corpus([d.text for d in load_documents("wiki", "train")])[0]
+    return counts
+
+
+@pytest.fixture(scope="module")
+def own_bpe_tokens(corpus):
+    """Tokens of lab 01's stream in its largest own BPE (`tokenizers` learns labkit's merges)."""
+    from labkit.tokenizer import train_hf_bpe
+
+    cache = {}
+
+    def tokens(documents: int, vocab_size: int) -> int:
+        if (documents, vocab_size) not in cache:
+            texts = corpus["kept"][:documents]
+            bpe = train_hf_bpe(texts, vocab_size)
+            cache[documents, vocab_size] = sum(len(e.ids) + 1 for e in bpe.encode_batch(texts))
+        return cache[documents, vocab_size]
+
+    return tokens
+
+
+def draws(p: profiles.Profile, corpus: dict, own_bpe_tokens) -> list[Draw]:
+    """What every lab asks of the data under profile p, beside what the data holds."""
+    train, val = corpus["train"], corpus["validation"]
+    rows = [
+        Draw("00 06 07", "validation articles scored (eval_documents)", p.eval_documents, len(val)),
+        Draw("00 06 07", "a full perplexity window (eval_max_length) in their tokens", p.eval_max_length,
+             stream_tokens(val[: p.eval_documents])),
+        Draw("06", "validation articles per sensitivity probe", p.sensitivity_documents, len(val)),
+    ]
+    # Lab 01: BPE on the cleaned train articles, their stream in 4 shards, one warm-up batch, then the timing.
+    bpe_tokens = own_bpe_tokens(p.bpe_train_documents, p.bpe_vocab_sizes[-1])
+    blocks = loader_blocks(bpe_tokens, p.block_size, bpe_tokens // 4 + 1)
+    rows += [
+        Draw("01", "cleaned train articles for the own BPE", p.bpe_train_documents, len(corpus["kept"])),
+        Draw("01", "batches timed (loader_batches) vs one epoch less the warm-up", p.loader_batches,
+             math.ceil(blocks / p.batch_size) - 1),
+    ]
+    # Lab 02: train_steps batches from the whole train split, each block at most once.
+    rows.append(Draw("02", "blocks per run (train_steps x batch_size), one epoch at most",
+                     p.train_steps * p.batch_size, loader_blocks(stream_tokens(train), p.block_size)))
+    # Lab 03: 8 documents cut to block_size >> k tokens; packed into 8 blocks for 4 micro-batches of 2.
+    cut = [min(n, p.block_size >> k) for n, k in zip(train[:8], (0, 3, 1, 4, 2, 0, 3, 1))]
+    packed = stream_tokens(cut)
+    block = min(p.block_size // 4, packed // 8)
+    micro = max(1, p.batch_size // 4)
+    lab03_blocks = loader_blocks(stream_tokens(train[:400]), p.block_size)
+    rows += [
+        Draw("03", "tokens in the shortest cut document (pad_batch refuses empty ones)", 1, min(cut)),
+        Draw("03", "tokens per packed block (an input and a target)", 2, block),
+        Draw("03", "packed blocks for 4 micro-batches of 2", 8, packed // block),
+        # fit cycles through the 400 articles' blocks (the cpu run goes through them 1.85 times): each
+        # micro-batch must still be full.
+        Draw("03", "blocks of 400 articles for one micro-batch (fit cycles)", micro, lab03_blocks),
+    ]
+    # Lab 04: 2000 articles in shards of 2**17 tokens, dealt to 2 ranks; each rank's blocks at most once.
+    steps = max(4, p.train_steps // 2)
+    rows.append(Draw("04", "blocks per rank of 2 (steps x micro-batch), one epoch at most", steps * micro,
+                     loader_blocks(stream_tokens(train[:2000]), p.block_size, 2**17) // 2))
+    # Lab 06: Taylor calibration from 64 articles; recovery fine-tunes on the train split, no block twice.
+    rows += [
+        Draw("06", "calibration tokens (8 x finetune_block_size) in 64 train articles",
+             8 * p.finetune_block_size, stream_tokens(train[:64])),
+        Draw("06", "blocks per fine-tune (finetune_steps x finetune_batch_size), one epoch at most",
+             p.finetune_steps * p.finetune_batch_size,
+             loader_blocks(stream_tokens(train), p.finetune_block_size)),
+    ]
+    # Labs 07-08: GPTQ windows from train; lab 07 compares with as many held-out windows from validation.
+    rows += [
+        Draw("07 08", "calibration windows from the train split", p.calibration_blocks,
+             stream_tokens(train) // p.calibration_block_size),
+        Draw("07", "held-out windows from the validation split", p.calibration_blocks,
+             stream_tokens(val) // p.calibration_block_size),
+        Draw("07", "tokens per window, for lab 07's 256-token forward", 256, p.calibration_block_size),
+    ]
+    # Lab 08: each train example seen once; a prompt keeps 8 tokens or more before the longest answer + EOS.
+    answers = corpus["train titles"][: p.lora_steps * p.lora_batch_size]
+    answers += corpus["validation titles"][: p.lora_eval_examples]
+    rows += [
+        Draw("08", "train articles (lora_steps x lora_batch_size), each once",
+             p.lora_steps * p.lora_batch_size, len(train)),
+        Draw("08", "held-out validation articles (lora_eval_examples)", p.lora_eval_examples, len(val)),
+        Draw("08", "longest answer + EOS + 8 prompt tokens, within lora_max_length", max(answers) + 1 + 8,
+             p.lora_max_length),
+    ]
+    return rows
+
+
+@pytest.mark.parametrize("name", list(profiles.PROFILES))
+def test_every_profile_asks_only_for_what_the_data_holds(name, corpus, own_bpe_tokens):
+    over = [d for d in draws(profiles.PROFILES[name], corpus, own_bpe_tokens) if d.asked > d.available]
+    assert not over, f"profile {name!r} asks for more than exists:\n" + "\n".join(
+        f"  lab {d.lab}: {d.what}: asks {d.asked:,}, the data holds {d.available:,}" for d in over)

@@ -144,6 +144,16 @@ def test_loader_checks_tokenizer_and_measures_throughput(shard_set):
     assert result["tokens"] == 5 * 4 * 16 and result["tokens_per_s"] > 0
 
 
+def test_loader_throughput_refuses_more_batches_than_an_epoch_holds(shard_set):
+    loader = shards.make_loader(shard_set, 16, 4)  # 24 + 24 + 12 blocks of 16: 15 batches of 4
+    all_but_warmup = shards.loader_throughput(loader, batches=14, device="cpu")
+    assert all_but_warmup["tokens"] == 14 * 4 * 16
+    for batches in (15, 200, 0):
+        message = f"cannot time {batches} batches: one epoch of this loader holds 15 .* at most 14"
+        with pytest.raises(ValueError, match=message):
+            shards.loader_throughput(loader, batches=batches, device="cpu")
+
+
 def test_tokenize_to_shards_with_either_tokenizer(tmp_path, default_model):
     from labkit.tokenizer import train_bpe
 
