@@ -18,7 +18,9 @@ def test_without_cuda_it_runs_the_cpu_checks_and_exits_0(tmp_path, capsys, monke
     assert "nothing GPU-side was measured" in out and "2 ranks on the CPU with gloo" in out
     report = json.loads((tmp_path / "gpu.json").read_text())
     assert report["device"].startswith("CPU") and report["steps"] == [] and report["goals"] == {}
-    assert {row["check"] for row in report["checks"]} >= {"CUDA", "labs 04/05 ranks", "offline cache"}
+    checks = {row["check"]: row for row in report["checks"]}
+    assert set(checks) == {"CUDA", "labs 04/05 ranks", "offline cache", "profile sizes vs the data"}
+    assert checks["profile sizes vs the data"]["ok"] and " passed" in checks["profile sizes vs the data"]["detail"]
 
 
 @pytest.mark.parametrize("gpus, all_reduce_ranks", [(1, 2), (2, 2), (8, 8)])
@@ -62,6 +64,7 @@ def test_a_gpu_run_writes_every_step_and_reads_the_goals(tmp_path, monkeypatch, 
 
     monkeypatch.setattr(distributed, "visible_gpus", lambda: 1)
     monkeypatch.setattr(gpucheck, "plan", plan)
+    monkeypatch.setattr(gpucheck, "cpu_checks", lambda: [])  # run for real in the test above
     assert cli.main(["gpu-check", "-o", str(tmp_path / "gpu.json")]) == 1  # a lab failed
     report = json.loads((tmp_path / "gpu.json").read_text())
     assert [(s["step"], s["status"]) for s in report["steps"]] == [("bench", "passed"), ("lab 99", "failed")]
