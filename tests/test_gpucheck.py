@@ -13,6 +13,9 @@ PY = sys.executable
 
 def test_without_cuda_it_runs_the_cpu_checks_and_exits_0(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(distributed, "visible_gpus", lambda: 0)
+    sizes = tmp_path / "test_sizes.py"  # stands in for tests/test_profiles.py, which the suite runs itself
+    sizes.write_text("def test_one():\n    pass\n\n\ndef test_two():\n    pass\n")
+    monkeypatch.setattr(gpucheck, "SIZES_TEST", sizes)
     assert cli.main(["gpu-check", "-o", str(tmp_path / "gpu.json")]) == 0
     out = capsys.readouterr().out
     assert "nothing GPU-side was measured" in out and "2 ranks on the CPU with gloo" in out
@@ -20,7 +23,7 @@ def test_without_cuda_it_runs_the_cpu_checks_and_exits_0(tmp_path, capsys, monke
     assert report["device"].startswith("CPU") and report["steps"] == [] and report["goals"] == {}
     checks = {row["check"]: row for row in report["checks"]}
     assert set(checks) == {"CUDA", "labs 04/05 ranks", "offline cache", "profile sizes vs the data"}
-    assert checks["profile sizes vs the data"]["ok"] and " passed" in checks["profile sizes vs the data"]["detail"]
+    assert checks["profile sizes vs the data"]["ok"] and "2 passed" in checks["profile sizes vs the data"]["detail"]
 
 
 @pytest.mark.parametrize("gpus, all_reduce_ranks", [(1, 2), (2, 2), (8, 8)])
