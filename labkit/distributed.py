@@ -72,11 +72,6 @@ def visible_gpus() -> int:
 # ----------------------------------------------------------------------------- inside a rank
 
 
-def backend_for(device: torch.device) -> str:
-    """NCCL for CUDA tensors, gloo for CPU ones."""
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
 @contextlib.contextmanager
 def rank_context() -> Iterator[tuple[int, int, torch.device]]:
     """Inside a torchrun worker: init the process group, yield (rank, world_size, device), clean up.

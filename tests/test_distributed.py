@@ -210,11 +210,6 @@ def test_two_ranks_on_a_one_gpu_node_use_the_cpu(monkeypatch, capsys):
     assert "2 ranks on the CPU with gloo: 1 GPU(s) for 2 ranks" in capsys.readouterr().out
 
 
-def test_backend_follows_the_device():
-    assert distributed.backend_for(torch.device("cpu")) == "gloo"
-    assert distributed.backend_for(torch.device("cuda", 0)) == "nccl"
-
-
 def test_slurm_script_runs_torchrun_with_rendezvous_on_every_node(tmp_path):
     import subprocess
 
