@@ -250,10 +250,9 @@ def track_peak_memory(device: str | torch.device | None = None) -> Iterator[Peak
     """
     dev = as_device(device)
     result = PeakMemory(device=str(dev))
-    synchronize(dev)
+    start = memory_in_use(dev)  # synchronizes the device
     kind, peak = _peak_counter(dev)
-    start = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else _proc_status_kib("VmRSS")
-    if start is None or peak is None or not _reset_peak_counter(dev):
+    if peak is None or not _reset_peak_counter(dev):
         # No resettable counter (macOS, Windows): the process-lifetime peak is the best honest figure.
         scale = 1 if platform.system() == "Darwin" else 1024
         result.kind = "rss_since_process_start"
@@ -264,7 +263,7 @@ def track_peak_memory(device: str | torch.device | None = None) -> Iterator[Peak
     for outer in _open_regions:
         if outer.device == result.device:
             outer.peak_bytes = max(outer.peak_bytes, peak)
-    result.kind, result.start_bytes = kind, start * (1 if dev.type == "cuda" else 1024)
+    result.kind, result.start_bytes = kind, start
     _open_regions.append(result)
     try:
         yield result

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from labkit import assets, bench, distributed, env, profiles
+from labkit import assets, bench, distributed, env, precision, profiles
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES_TEST = ROOT / "tests" / "test_profiles.py"  # every profile's sizes against the offline data (seconds)
@@ -79,7 +79,7 @@ def cpu_checks() -> list[dict[str, Any]]:
     gpus = distributed.visible_gpus()
     rows = [{"check": "CUDA", "ok": gpus > 0,
              "detail": f"{gpus} GPU(s): {', '.join(g['name'] for g in env.gpus())}" if gpus
-             else "no CUDA GPU visible to torch " + (f"(a CPU-only build, {_torch()})" if _cpu_only() else "")}]
+             else precision.cuda_problem("cuda") or "no CUDA GPU visible to torch"}]
     rows.append({"check": "labs 04/05 ranks", "ok": True, "detail": distributed.placement(2, gpus).reason})
     cache = assets.read_access_problem(assets.cache_dir())
     rows.append({"check": "offline cache", "ok": cache is None, "detail": cache or str(assets.cache_dir())})
@@ -89,18 +89,6 @@ def cpu_checks() -> list[dict[str, Any]]:
         rows.append({"check": "profile sizes vs the data", "ok": done.returncode == 0,
                      "detail": (done.stdout.strip().splitlines() or ["no output"])[-1]})
     return rows
-
-
-def _torch() -> str:
-    import torch
-
-    return f"torch {torch.__version__}"
-
-
-def _cpu_only() -> bool:
-    import torch
-
-    return torch.version.cuda is None
 
 
 def run_step(step: Step, gpus: int, cwd: Path, echo: Callable[[str], None] = print) -> dict[str, Any]:
