@@ -39,7 +39,7 @@ def _shards(args: argparse.Namespace) -> int:
     from labkit import assets, shards
     from labkit.bench import fmt_bytes
     from labkit.data import load_corpus
-    from labkit.models import load_tokenizer
+    from labkit.models import DEFAULT_MODEL, load_tokenizer
 
     if args.documents is not None and args.documents < 1:
         raise ValueError(f"--documents must be >= 1, got {args.documents}")
@@ -48,7 +48,7 @@ def _shards(args: argparse.Namespace) -> int:
         raise ValueError(f"{problem}; or write the shards elsewhere (labkit shards DIR) and pass --shards DIR")
     texts = load_corpus("wiki", "train")[: args.documents]
     with assets.atomic_directory(out) as tmp:  # a job never sees half the shards
-        paths = shards.tokenize_to_shards(texts, load_tokenizer(args.model), tmp, shard_tokens=args.shard_tokens)
+        paths = shards.tokenize_to_shards(texts, load_tokenizer(args.model or DEFAULT_MODEL), tmp, shard_tokens=args.shard_tokens)
     tokens = sum(shards.read_shard_info(out / p.name).tokens for p in paths)
     print(f"wrote {len(paths)} shards, {tokens:,} tokens of {len(texts):,} documents "
           f"({fmt_bytes(assets.dir_bytes(out))}) to {out}")
@@ -101,7 +101,7 @@ def _gpu_check(args: argparse.Namespace) -> int:
             print(f"{step.name} ({step.timeout_s} s max, {step.gpus} GPU(s)): {' '.join(step.command)}")
         return 0
     report = gpucheck.gpu_check(args.output, run_labs=not args.no_labs)
-    return 1 if any(s["status"] != "passed" and s["status"] != "skipped" for s in report["steps"]) else 0
+    return 1 if any(s["status"] not in ("passed", "skipped") for s in report["steps"]) else 0
 
 
 def _student(args: argparse.Namespace) -> int:
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("output", nargs="?", type=Path, default=None,
                    help="where to write them (default: the cache, where ddp_train.py looks)")
     p.add_argument("--documents", type=int, help="the first N training documents (default: all)")
-    p.add_argument("--model", default="smollm2-135m", help="whose tokenizer (default: %(default)s)")
+    p.add_argument("--model", help="whose tokenizer: a model name or path (default: the course's model)")
     p.add_argument("--shard-tokens", type=int, default=2**20, help="tokens per shard (default: %(default)s)")
     p.set_defaults(func=_shards)
     p = sub.add_parser("profile", help="show the sizes of a run profile")
