@@ -47,8 +47,9 @@ def _shards(args: argparse.Namespace) -> int:
     if problem := assets.write_access_problem(out):
         raise ValueError(f"{problem}; or write the shards elsewhere (labkit shards DIR) and pass --shards DIR")
     texts = load_corpus("wiki", "train")[: args.documents]
+    tokenizer = load_tokenizer(args.model or DEFAULT_MODEL)
     with assets.atomic_directory(out) as tmp:  # a job never sees half the shards
-        paths = shards.tokenize_to_shards(texts, load_tokenizer(args.model or DEFAULT_MODEL), tmp, shard_tokens=args.shard_tokens)
+        paths = shards.tokenize_to_shards(texts, tokenizer, tmp, shard_tokens=args.shard_tokens)
     tokens = sum(shards.read_shard_info(out / p.name).tokens for p in paths)
     print(f"wrote {len(paths)} shards, {tokens:,} tokens of {len(texts):,} documents "
           f"({fmt_bytes(assets.dir_bytes(out))}) to {out}")
