@@ -1,7 +1,7 @@
 # The two commands of the course: `make lab` and `make test`. Everything else is a step of those.
 #
 #   make lab                 set up .venv, stage the offline assets, open JupyterLab on labs/
-#   make test                set up .venv, stage the assets, run unit tests and notebooks (smoke profile)
+#   make test                set up .venv, stage the assets, lint, run unit tests and notebooks (smoke profile)
 #   make lab LAB_ARGS="--no-browser --ip=0.0.0.0 --port=8890"   (a cluster node; tunnel the port)
 #   make lab TORCH="torch --index-url https://download.pytorch.org/whl/cu128"   (pick your torch build)
 #
@@ -34,14 +34,20 @@ STAMP      := $(VENV)/.labkit-installed-$(SETUP_HASH)
 # this clone's labkit, also where the venv's editable install points at another clone (VENV=)
 RUN        := PATH="$(abspath $(VENV))/bin:$$PATH" PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}"
 
-.PHONY: lab test gpu-check student setup prepare doctor clean
+.PHONY: lab test lint gpu-check student setup prepare doctor clean
 
 lab: prepare
 	$(RUN) GPTQMODEL_OFFLINE=$(GPTQMODEL_OFFLINE) $(PY) -m labkit lab $(LAB_ARGS)
 
-test: prepare
+test: prepare lint
 	$(RUN) LABKIT_PROFILE=smoke HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 GPTQMODEL_OFFLINE=$(GPTQMODEL_OFFLINE) \
 	  $(PY) -m pytest tests labs --nbval-lax --nbval-cell-timeout=600 --durations=15 $(PYTEST_ARGS)
+
+# style is part of the suite: ruff (pinned in the dev extra) lints and checks the formatting of the
+# package, the tests, the benchmarks and the notebooks' code cells
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 gpu-check: prepare
 	$(RUN) HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 GPTQMODEL_OFFLINE=$(GPTQMODEL_OFFLINE) \

@@ -38,27 +38,46 @@ def main() -> None:
     model, tokenizer = load_model(DEFAULT_MODEL, dtype=torch.float32)
     prompt = torch.tensor([tokenizer(load_corpus("wiki", "validation")[0])["input_ids"][:64]] * args.batch)
     with tempfile.TemporaryDirectory() as tmp:
-        qm = quant.quantize_model(model, quant.QuantConfig(bits=args.bits, group_size=args.group_size), method="rtn",
-                                  progress=False)
+        qm = quant.quantize_model(
+            model, quant.QuantConfig(bits=args.bits, group_size=args.group_size), method="rtn", progress=False
+        )
         quant.save_gptq(qm, tokenizer, tmp)
         del model, qm
-        loaders = {str(dtype).removeprefix("torch."): lambda: load_model(DEFAULT_MODEL, dtype=dtype, device=device)[0],
-                   f"GPTQ {args.bits}-bit g{args.group_size}": lambda: quant.load_with_transformers(tmp, str(device))}
+        loaders = {
+            str(dtype).removeprefix("torch."): lambda: load_model(DEFAULT_MODEL, dtype=dtype, device=device)[0],
+            f"GPTQ {args.bits}-bit g{args.group_size}": lambda: quant.load_with_transformers(tmp, str(device)),
+        }
         kernels = quant.gptq_kernels(quant.load_with_transformers(tmp, str(device)))
-        results = {label: bench.decode_benchmark(load, prompt, args.new_tokens, device=device, repeats=args.repeats)
-                   for label, load in loaders.items()}
-    print(f"{DEFAULT_MODEL}, batch {args.batch}, {args.new_tokens} new tokens, on {bench.device_name(device)}; "
-          f"GPTQModel kernels: {kernels}")
+        results = {
+            label: bench.decode_benchmark(load, prompt, args.new_tokens, device=device, repeats=args.repeats)
+            for label, load in loaders.items()
+        }
+    print(
+        f"{DEFAULT_MODEL}, batch {args.batch}, {args.new_tokens} new tokens, on {bench.device_name(device)}; "
+        f"GPTQModel kernels: {kernels}"
+    )
     for label, r in results.items():
-        print(f"{label:>14}: {r['tokens_per_s']:8.1f} tokens/s, weights {bench.fmt_bytes(r['weights_bytes'])}, "
-              f"generation +{bench.fmt_bytes(r['generate_bytes'])} ({r['memory_kind']})")
+        print(
+            f"{label:>14}: {r['tokens_per_s']:8.1f} tokens/s, weights {bench.fmt_bytes(r['weights_bytes'])}, "
+            f"generation +{bench.fmt_bytes(r['generate_bytes'])} ({r['memory_kind']})"
+        )
     dense, packed = results.values()
     print(f"4-bit / dense decode speed: {packed['tokens_per_s'] / dense['tokens_per_s']:.2f}x")
-    bench.log_result(args.log, {
-        "benchmark": "gptq_decode", "kernels": kernels, "batch": args.batch, "new_tokens": args.new_tokens,
-        **{f"{label} {key}": r[key] for label, r in results.items()
-           for key in ("tokens_per_s", "weights_bytes", "generate_bytes")},
-        "speedup": packed["tokens_per_s"] / dense["tokens_per_s"]})
+    bench.log_result(
+        args.log,
+        {
+            "benchmark": "gptq_decode",
+            "kernels": kernels,
+            "batch": args.batch,
+            "new_tokens": args.new_tokens,
+            **{
+                f"{label} {key}": r[key]
+                for label, r in results.items()
+                for key in ("tokens_per_s", "weights_bytes", "generate_bytes")
+            },
+            "speedup": packed["tokens_per_s"] / dense["tokens_per_s"],
+        },
+    )
 
 
 if __name__ == "__main__":

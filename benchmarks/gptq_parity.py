@@ -13,8 +13,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from labkit import bench, evaluate, quant
 from labkit.data import load_corpus
 from labkit.models import load_model
@@ -39,10 +37,14 @@ def main() -> None:
     cfg = quant.QuantConfig(bits=args.bits, group_size=args.group_size, damp=args.damp)
     calib = quant.calibration_blocks(tok, load_corpus("wiki", "train"), args.blocks, args.block_size)
     texts = load_corpus("wiki", "validation")[: args.documents]
-    ppl = lambda m: evaluate.perplexity(m, tok, texts, max_length=profile.eval_max_length,  # noqa: E731
-                                        progress=False).perplexity
-    print(f"{cfg.label()}, damp {cfg.damp}, {calib.numel()} calibration tokens ({args.blocks} x {args.block_size}), "
-          f"{len(texts)} validation articles, {bench.device_name()}")
+
+    def ppl(m) -> float:
+        return evaluate.perplexity(m, tok, texts, max_length=profile.eval_max_length, progress=False).perplexity
+
+    print(
+        f"{cfg.label()}, damp {cfg.damp}, {calib.numel()} calibration tokens ({args.blocks} x {args.block_size}), "
+        f"{len(texts)} validation articles, {bench.device_name()}"
+    )
     results = {"fp32": {"ppl": ppl(model)}}
     rtn = quant.quantize_model(model, cfg, method="rtn", progress=False)
     results["rtn"] = {"ppl": ppl(rtn.model), "seconds": rtn.seconds}
@@ -59,8 +61,11 @@ def main() -> None:
         quant.quantize_with_gptqmodel(tmp / "fp32", calib, cfg, tmp / "gptqmodel")
         seconds = time.perf_counter() - start
         theirs = quant.load_gptq(tmp / "gptqmodel")
-        results["gptqmodel"] = {"ppl": ppl(theirs.model), "seconds": seconds,
-                                "ppl_own_kernel": ppl(quant.load_with_transformers(tmp / "gptqmodel"))}
+        results["gptqmodel"] = {
+            "ppl": ppl(theirs.model),
+            "seconds": seconds,
+            "ppl_own_kernel": ppl(quant.load_with_transformers(tmp / "gptqmodel")),
+        }
 
     fp, r, ours, theirs = (results[k]["ppl"] for k in ("fp32", "rtn", "labkit", "gptqmodel"))
     summary = {
@@ -75,9 +80,18 @@ def main() -> None:
         print(f"{name:>10}: perplexity {res['ppl']:.2f}{own}{extra}")
     for key, value in summary.items():
         print(f"{key}: {value:.3f}")
-    bench.log_result(args.log, {"benchmark": "gptq_parity", "config": cfg.label(), "damp": cfg.damp,
-                                "calibration_tokens": calib.numel(), "documents": len(texts),
-                                "results": results, **summary})
+    bench.log_result(
+        args.log,
+        {
+            "benchmark": "gptq_parity",
+            "config": cfg.label(),
+            "damp": cfg.damp,
+            "calibration_tokens": calib.numel(),
+            "documents": len(texts),
+            "results": results,
+            **summary,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -31,10 +31,12 @@ def run_one(method: str, args: argparse.Namespace) -> dict:
     n_params = count_parameters(model)
     if method == "qlora":
         profile = get_profile()
-        calibration = quant.calibration_blocks(tokenizer, load_corpus("wiki", "train"), profile.calibration_blocks,
-                                               profile.calibration_block_size)
-        qm = quant.quantize_model(model, quant.QuantConfig(bits=4, group_size=64), calibration, inplace=True,
-                                  progress=False)
+        calibration = quant.calibration_blocks(
+            tokenizer, load_corpus("wiki", "train"), profile.calibration_blocks, profile.calibration_block_size
+        )
+        qm = quant.quantize_model(
+            model, quant.QuantConfig(bits=4, group_size=64), calibration, inplace=True, progress=False
+        )
         model = quant.pack_model(qm)
         del qm
     if method != "full":
@@ -42,12 +44,23 @@ def run_one(method: str, args: argparse.Namespace) -> dict:
     examples = tasks.title_examples("train")[: args.steps * args.batch_size]
     held_out = tasks.title_examples("validation", limit=args.eval_examples)
     cfg = train.TrainConfig(steps=args.steps, lr=LEARNING_RATES[method], warmup_steps=args.steps // 10, progress=False)
-    result = lora.finetune_and_score(method, model, tokenizer, examples, held_out, cfg, args.batch_size, args.max_length)
-    return {"method": method, "trainable": result.trainable, "share": result.trainable / n_params,
-            "step_seconds": result.step_seconds, "peak_bytes": result.peak_memory.peak_bytes,
-            "memory_kind": result.peak_memory.kind, "state_bytes": result.state_bytes["total"],
-            "accuracy": result.accuracy, "eval_loss": result.eval_loss, "first_loss": result.losses[0],
-            "last_loss": result.losses[-1], "device": bench.device_name(device)}
+    result = lora.finetune_and_score(
+        method, model, tokenizer, examples, held_out, cfg, args.batch_size, args.max_length
+    )
+    return {
+        "method": method,
+        "trainable": result.trainable,
+        "share": result.trainable / n_params,
+        "step_seconds": result.step_seconds,
+        "peak_bytes": result.peak_memory.peak_bytes,
+        "memory_kind": result.peak_memory.kind,
+        "state_bytes": result.state_bytes["total"],
+        "accuracy": result.accuracy,
+        "eval_loss": result.eval_loss,
+        "first_loss": result.losses[0],
+        "last_loss": result.losses[-1],
+        "device": bench.device_name(device),
+    }
 
 
 def main() -> None:
@@ -71,32 +84,64 @@ def main() -> None:
     if not {"full", "lora"} <= set(args.methods):
         raise SystemExit("--methods must include full and lora: the ratios compare them")
     for method in args.methods:
-        child = [sys.executable, __file__, "--child", method, "--steps", str(args.steps), "--batch-size",
-                 str(args.batch_size), "--max-length", str(args.max_length), "--eval-examples", str(args.eval_examples),
-                 "--rank", str(args.rank), "--targets", *args.targets]
+        child = [
+            sys.executable,
+            __file__,
+            "--child",
+            method,
+            "--steps",
+            str(args.steps),
+            "--batch-size",
+            str(args.batch_size),
+            "--max-length",
+            str(args.max_length),
+            "--eval-examples",
+            str(args.eval_examples),
+            "--rank",
+            str(args.rank),
+            "--targets",
+            *args.targets,
+        ]
         out = subprocess.run(child, check=True, capture_output=True, text=True).stdout
         results[method] = json.loads(out.strip().splitlines()[-1])
     full, low = results["full"], results["lora"]
     if "qlora" in results:
         results["qlora"]["method"] += " (GPTQ 4-bit base, packed)"
-    print(f"{args.steps} steps x {args.batch_size} examples (max {args.max_length} tokens), {args.eval_examples} "
-          f"held-out articles, {full['device']}; LoRA r={args.rank} on {', '.join(args.targets)}")
+    print(
+        f"{args.steps} steps x {args.batch_size} examples (max {args.max_length} tokens), {args.eval_examples} "
+        f"held-out articles, {full['device']}; LoRA r={args.rank} on {', '.join(args.targets)}"
+    )
     for name, r in results.items():
-        print(f"{name:>5}: trainable {r['trainable']:,} ({100 * r['share']:.2f} %), step {r['step_seconds']:.2f} s, "
-              f"peak {bench.fmt_bytes(r['peak_bytes'])} ({r['memory_kind']}), state {bench.fmt_bytes(r['state_bytes'])}, "
-              f"exact match {100 * r['accuracy']:.1f} %, answer loss {r['eval_loss']:.3f}")
-    summary = {"lora_trainable_share": low["share"],
-               "step_time_ratio_lora_over_full": low["step_seconds"] / full["step_seconds"],
-               "peak_memory_ratio_lora_over_full": low["peak_bytes"] / full["peak_bytes"],
-               "state_ratio_lora_over_full": low["state_bytes"] / full["state_bytes"],
-               "accuracy_lora": low["accuracy"], "accuracy_full": full["accuracy"]}
+        print(
+            f"{name:>5}: trainable {r['trainable']:,} ({100 * r['share']:.2f} %), step {r['step_seconds']:.2f} s, "
+            f"peak {bench.fmt_bytes(r['peak_bytes'])} ({r['memory_kind']}), state {bench.fmt_bytes(r['state_bytes'])}, "
+            f"exact match {100 * r['accuracy']:.1f} %, answer loss {r['eval_loss']:.3f}"
+        )
+    summary = {
+        "lora_trainable_share": low["share"],
+        "step_time_ratio_lora_over_full": low["step_seconds"] / full["step_seconds"],
+        "peak_memory_ratio_lora_over_full": low["peak_bytes"] / full["peak_bytes"],
+        "state_ratio_lora_over_full": low["state_bytes"] / full["state_bytes"],
+        "accuracy_lora": low["accuracy"],
+        "accuracy_full": full["accuracy"],
+    }
     if "qlora" in results:
         summary["peak_memory_ratio_qlora_over_full"] = results["qlora"]["peak_bytes"] / full["peak_bytes"]
         summary["accuracy_qlora"] = results["qlora"]["accuracy"]
     for key, value in summary.items():
         print(f"{key}: {value:.4f}")
-    bench.log_result(args.log, {"benchmark": "lora_vs_full", "profile": profile.name, "rank": args.rank,
-                                "targets": args.targets, "steps": args.steps, "results": results, **summary})
+    bench.log_result(
+        args.log,
+        {
+            "benchmark": "lora_vs_full",
+            "profile": profile.name,
+            "rank": args.rank,
+            "targets": args.targets,
+            "steps": args.steps,
+            "results": results,
+            **summary,
+        },
+    )
 
 
 if __name__ == "__main__":

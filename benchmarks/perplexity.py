@@ -1,7 +1,7 @@
 """Perplexity of a model on a whole corpus split, with time and peak memory: the README's reference figure.
 
-    python benchmarks/perplexity.py                       # default model, wiki validation, window 512
-    python benchmarks/perplexity.py --model path/or/hub-id --max-length 1024 --device cuda
+python benchmarks/perplexity.py                       # default model, wiki validation, window 512
+python benchmarks/perplexity.py --model path/or/hub-id --max-length 1024 --device cuda
 """
 
 from __future__ import annotations
@@ -29,14 +29,27 @@ def main() -> None:
     texts = load_corpus(args.corpus, args.split)
     with bench.track_peak_memory(device) as mem, bench.stopwatch(device) as elapsed:
         result = perplexity(model, tokenizer, texts, max_length=args.max_length)
-    record = bench.log_result(args.log, {
-        "benchmark": "perplexity", "model": args.model, "corpus": args.corpus, "split": args.split,
-        "documents": len(texts), "max_length": args.max_length, "perplexity": result.perplexity,
-        "tokens": result.tokens, "seconds": elapsed.seconds, "peak_bytes": mem.peak_bytes, "memory_kind": mem.kind,
-    })
+    record = bench.log_result(
+        args.log,
+        {
+            "benchmark": "perplexity",
+            "model": args.model,
+            "corpus": args.corpus,
+            "split": args.split,
+            "documents": len(texts),
+            "max_length": args.max_length,
+            "perplexity": result.perplexity,
+            "tokens": result.tokens,
+            "seconds": elapsed.seconds,
+            "peak_bytes": mem.peak_bytes,
+            "memory_kind": mem.kind,
+        },
+    )
     print(f"{args.model} on {args.corpus}/{args.split} ({len(texts)} documents, window {args.max_length}): {result}")
-    print(f"{elapsed.seconds:.1f} s, {bench.tokens_per_second(result.tokens, elapsed.seconds):,.0f} tokens/s, "
-          f"{mem} on {record['device']}")
+    print(
+        f"{elapsed.seconds:.1f} s, {bench.tokens_per_second(result.tokens, elapsed.seconds):,.0f} tokens/s, "
+        f"{mem} on {record['device']}"
+    )
 
 
 if __name__ == "__main__":

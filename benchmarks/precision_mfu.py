@@ -35,24 +35,44 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     inputs = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen) for _ in range(args.steps)]
     batches = [(x, torch.roll(x, -1, dims=1)) for x in inputs]
-    print(f"GPT-2 {args.layers} × {args.hidden}, batch {args.batch} × {args.seq}, {args.steps} steps, "
-          f"compile={args.compile}, on {bench.device_name(device)}")
+    print(
+        f"GPT-2 {args.layers} × {args.hidden}, batch {args.batch} × {args.seq}, {args.steps} steps, "
+        f"compile={args.compile}, on {bench.device_name(device)}"
+    )
     for mode in precision.MODES:
         try:
             precision.policy(mode, device)
         except ValueError as err:
             print(f"{mode:>5}: skipped: {err}")
             continue
-        model = tiny_gpt2(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
-                          num_heads=args.hidden // 64, max_position_embeddings=args.seq).to(device)
-        history = fit(model, batches, TrainConfig(steps=args.steps, precision=mode, compile=args.compile, progress=False))
-        tokens_per_s = statistics.median(h["tokens_per_s"] for h in history[len(history) // 2:])  # after warm-up
+        model = tiny_gpt2(
+            vocab_size=args.vocab,
+            hidden_size=args.hidden,
+            num_layers=args.layers,
+            num_heads=args.hidden // 64,
+            max_position_embeddings=args.seq,
+        ).to(device)
+        history = fit(
+            model, batches, TrainConfig(steps=args.steps, precision=mode, compile=args.compile, progress=False)
+        )
+        tokens_per_s = statistics.median(h["tokens_per_s"] for h in history[len(history) // 2 :])  # after warm-up
         flops = tokens_per_s * bench.model_flops_per_token(model, args.seq)
         util = bench.mfu(flops, bench.device_peak_flops(mode, device))
-        print(f"{mode:>5}: {tokens_per_s:>12,.0f} tokens/s, {flops / 1e12:8.2f} TFLOP/s, "
-              f"MFU {'n/a' if util is None else f'{util:.1%}'}")
-        bench.log_result(args.log, {"benchmark": "precision_mfu", "mode": mode, "tokens_per_s": tokens_per_s,
-                                    "flops_per_s": flops, "mfu": util, **vars(args)})
+        print(
+            f"{mode:>5}: {tokens_per_s:>12,.0f} tokens/s, {flops / 1e12:8.2f} TFLOP/s, "
+            f"MFU {'n/a' if util is None else f'{util:.1%}'}"
+        )
+        bench.log_result(
+            args.log,
+            {
+                "benchmark": "precision_mfu",
+                "mode": mode,
+                "tokens_per_s": tokens_per_s,
+                "flops_per_s": flops,
+                "mfu": util,
+                **vars(args),
+            },
+        )
 
 
 if __name__ == "__main__":

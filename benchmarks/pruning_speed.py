@@ -34,13 +34,19 @@ def main() -> None:
     models = {"dense": dense, "50% unstructured": sparse, "structured": structured}
     x = torch.randint(0, dense.config.vocab_size, (1, args.tokens), device=device)
     with torch.inference_mode():
-        timings = bench.time_interleaved({name: (lambda m=m: m(input_ids=x)) for name, m in models.items()},
-                                         warmup=1, repeats=args.repeats, device=device)
+        timings = bench.time_interleaved(
+            {name: (lambda m=m: m(input_ids=x)) for name, m in models.items()},
+            warmup=1,
+            repeats=args.repeats,
+            device=device,
+        )
     med = {k: t.median for k, t in timings.items()}
     print(f"forward of {args.tokens} tokens on {bench.device_name(device)}, median of {args.repeats}")
     for name, t in med.items():
-        print(f"{name:>17}: {bench.fmt_seconds(t)}  ({t / med['dense']:.2f} x dense), "
-              f"{count_parameters(models[name]) / 1e6:.1f} M parameters")
+        print(
+            f"{name:>17}: {bench.fmt_seconds(t)}  ({t / med['dense']:.2f} x dense), "
+            f"{count_parameters(models[name]) / 1e6:.1f} M parameters"
+        )
     record = {"benchmark": "pruning_speed", "tokens": args.tokens, "forward_s": med}
     reason = prune.semi_structured_support(device)
     if reason:
@@ -52,18 +58,27 @@ def main() -> None:
         prune.to_semi_structured(twin)
         x4 = torch.randint(0, dense.config.vocab_size, (8, args.tokens), device=device)
         with torch.inference_mode():
-            t = {name: timing.median for name, timing in bench.time_interleaved(
-                {"fp16 dense": lambda: half(input_ids=x4), "fp16 2:4": lambda: twin(input_ids=x4)},
-                repeats=args.repeats * 4, device=device).items()}
+            t = {
+                name: timing.median
+                for name, timing in bench.time_interleaved(
+                    {"fp16 dense": lambda: half(input_ids=x4), "fp16 2:4": lambda: twin(input_ids=x4)},
+                    repeats=args.repeats * 4,
+                    device=device,
+                ).items()
+            }
         record["semi_structured_model_s"] = t
-        print(f"whole model, 8 x {args.tokens} tokens: fp16 dense {bench.fmt_seconds(t['fp16 dense'])}, "
-              f"2:4 sparse kernels {bench.fmt_seconds(t['fp16 2:4'])} -> {t['fp16 dense'] / t['fp16 2:4']:.2f}x")
+        print(
+            f"whole model, 8 x {args.tokens} tokens: fp16 dense {bench.fmt_seconds(t['fp16 dense'])}, "
+            f"2:4 sparse kernels {bench.fmt_seconds(t['fp16 2:4'])} -> {t['fp16 dense'] / t['fp16 2:4']:.2f}x"
+        )
         record["semi_structured"] = {}
         for out_f, in_f in ((1536, 576), (576, 1536), (4096, 4096), (8192, 8192)):
             r = prune.semi_structured_speedup(out_f, in_f, 4096, repeats=args.repeats * 4)
             record["semi_structured"][f"{out_f}x{in_f}"] = r
-            print(f"2:4 {out_f} x {in_f}, fp16, 4096 tokens: {r['speedup']:.2f}x "
-                  f"(dense {bench.fmt_seconds(r['dense_s'])}, sparse {bench.fmt_seconds(r['sparse_s'])})")
+            print(
+                f"2:4 {out_f} x {in_f}, fp16, 4096 tokens: {r['speedup']:.2f}x "
+                f"(dense {bench.fmt_seconds(r['dense_s'])}, sparse {bench.fmt_seconds(r['sparse_s'])})"
+            )
     bench.log_result(args.log, record)
 
 

@@ -46,14 +46,24 @@ def main() -> None:
         "encode MB/s (one text at a time)": (mb_eval / own_enc.median, mb_eval / lib_enc_1.median),
         "encode MB/s (library batch, all cores)": (None, mb_eval / lib_enc.median),
     }
-    print(f"corpus: {len(texts)} documents, {mb_train:.2f} MB to train, {mb_eval:.2f} MB to encode; "
-          f"vocab {args.vocab_size}; merges identical: {same}; on {bench.device_name('cpu')}")
+    print(
+        f"corpus: {len(texts)} documents, {mb_train:.2f} MB to train, {mb_eval:.2f} MB to encode; "
+        f"vocab {args.vocab_size}; merges identical: {same}; on {bench.device_name('cpu')}"
+    )
     print(f"{'':<40} {'labkit':>10} {'tokenizers':>11} {'ratio':>8}")
     for name, (mine, theirs) in rows.items():
         ratio = f"{theirs / mine:>7.1f}x" if mine else "       -"
         print(f"{name:<40} {mine or float('nan'):>10.3f} {theirs:>11.3f} {ratio}")
-    bench.log_result(args.log, {"benchmark": "tokenizer", "vocab_size": args.vocab_size, "documents": len(texts),
-                                "merges_identical": same, **{k: list(v) for k, v in rows.items()}})
+    bench.log_result(
+        args.log,
+        {
+            "benchmark": "tokenizer",
+            "vocab_size": args.vocab_size,
+            "documents": len(texts),
+            "merges_identical": same,
+            **{k: list(v) for k, v in rows.items()},
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -51,8 +51,9 @@ def main() -> None:
     def trainer() -> None:
         fit(model(), batches, cfg)
 
-    timings = bench.time_interleaved({"bare loop": bare, "labkit.train.fit": trainer}, warmup=0,
-                                     repeats=args.repeats, device=device)
+    timings = bench.time_interleaved(
+        {"bare loop": bare, "labkit.train.fit": trainer}, warmup=0, repeats=args.repeats, device=device
+    )
     med = {k: t.median / args.steps for k, t in timings.items()}
     overhead = med["labkit.train.fit"] / med["bare loop"] - 1
     print(f"{args.steps} steps of GPT-2 (4 x 256, vocab 2000), batch 8 x 128, on {bench.device_name(device)}")

@@ -18,9 +18,9 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 CACHE_ENV_VAR = "LABKIT_CACHE"
 MANIFEST = "labkit-manifest.json"
@@ -43,8 +43,7 @@ class PackagedFile:
         spec = importlib.util.find_spec(self.package)
         if spec is None or not spec.submodule_search_locations:
             raise AssetError(
-                f"the Python package {self.package!r} is not installed; install it with:\n"
-                f"    {self.install}"
+                f"the Python package {self.package!r} is not installed; install it with:\n    {self.install}"
             )
         path = Path(next(iter(spec.submodule_search_locations))) / self.relpath
         if not path.is_file():
@@ -82,10 +81,13 @@ def cache_dir() -> Path:
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise AssetError(read_access_problem(root) or (
-            f"the cache directory {root} is not writable ({err.strerror or err}); "
-            f"point ${CACHE_ENV_VAR} at a writable directory, e.g. export {CACHE_ENV_VAR}=$HOME/labkit-cache"
-        )) from err
+        raise AssetError(
+            read_access_problem(root)
+            or (
+                f"the cache directory {root} is not writable ({err.strerror or err}); "
+                f"point ${CACHE_ENV_VAR} at a writable directory, e.g. export {CACHE_ENV_VAR}=$HOME/labkit-cache"
+            )
+        ) from err
     return root
 
 
@@ -110,8 +112,9 @@ def read_access_problem(path: str | Path) -> str | None:
         if not os.path.isdir(parent):
             return None  # nothing below exists, so nothing is unreadable
         if not os.access(parent, os.X_OK):
-            return (f"directory {parent} cannot be entered by user {_user()}: "
-                    f"ask the instructor to run chmod a+x {parent}")
+            return (
+                f"directory {parent} cannot be entered by user {_user()}: ask the instructor to run chmod a+x {parent}"
+            )
     if not os.path.exists(path):
         return None
     entries = [(path, path.is_dir())]
@@ -120,8 +123,7 @@ def read_access_problem(path: str | Path) -> str | None:
             entries += [(Path(root, d), True) for d in dirs] + [(Path(root, f), False) for f in files]
     for entry, is_dir in entries:
         if not os.access(entry, os.R_OK | (os.X_OK if is_dir else 0)):
-            return (f"cache {entry} is not readable by user {_user()}: "
-                    f"ask the instructor to run chmod -R a+rX {entry}")
+            return f"cache {entry} is not readable by user {_user()}: ask the instructor to run chmod -R a+rX {entry}"
     return None
 
 
@@ -133,9 +135,11 @@ def write_access_problem(dest: str | Path) -> str | None:
         directory = directory.parent
     for d in ([dest] if dest.is_dir() else []) + [directory]:
         if not os.access(d, os.W_OK | os.X_OK):
-            return (f"cache {d} is not writable by user {_user()}: ask the instructor to run "
-                    f"`labkit prepare` for this cache, or use a cache of your own: "
-                    f"export {CACHE_ENV_VAR}=$HOME/labkit-cache")
+            return (
+                f"cache {d} is not writable by user {_user()}: ask the instructor to run "
+                f"`labkit prepare` for this cache, or use a cache of your own: "
+                f"export {CACHE_ENV_VAR}=$HOME/labkit-cache"
+            )
     return None
 
 
@@ -370,7 +374,5 @@ def prepare() -> list[dict]:
 
     n = len(load_documents("wiki", split="all"))
     corpus = WIKI_SUMMARIES.path()
-    report.append(
-        {"asset": f"corpus wiki ({n} articles)", "path": str(corpus), "bytes": corpus.stat().st_size}
-    )
+    report.append({"asset": f"corpus wiki ({n} articles)", "path": str(corpus), "bytes": corpus.stat().st_size})
     return report

@@ -7,6 +7,7 @@ report the median over repeats (and the spread); measure peak memory per region,
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -14,9 +15,10 @@ import re
 import resource
 import statistics
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -73,7 +75,8 @@ class Timing:
         return {"median_s": self.median, "min_s": self.min, "max_s": self.max, "repeats": self.repeats}
 
     def __str__(self) -> str:
-        return f"{fmt_seconds(self.median)} median of {self.repeats} (min {fmt_seconds(self.min)}, max {fmt_seconds(self.max)})"
+        spread = f"min {fmt_seconds(self.min)}, max {fmt_seconds(self.max)}"
+        return f"{fmt_seconds(self.median)} median of {self.repeats} ({spread})"
 
 
 def time_fn(
@@ -118,8 +121,10 @@ def time_interleaved(
 ) -> dict[str, Timing]:
     """Time several functions side by side: each round times each once, so drift in machine load hits all alike."""
     if not fns or repeats < 1 or warmup < 0:
-        raise ValueError(f"need functions to time, repeats >= 1 and warmup >= 0, got {len(fns)} functions, "
-                         f"repeats={repeats}, warmup={warmup}")
+        raise ValueError(
+            f"need functions to time, repeats >= 1 and warmup >= 0, got {len(fns)} functions, "
+            f"repeats={repeats}, warmup={warmup}"
+        )
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -286,8 +291,13 @@ def memory_in_use(device: str | torch.device | None = None) -> int:
 
 
 def decode_benchmark(
-    load: Callable[[], nn.Module], prompt_ids: torch.Tensor, new_tokens: int, *,
-    device: str | torch.device | None = None, warmup: int = 1, repeats: int = 5,
+    load: Callable[[], nn.Module],
+    prompt_ids: torch.Tensor,
+    new_tokens: int,
+    *,
+    device: str | torch.device | None = None,
+    warmup: int = 1,
+    repeats: int = 5,
 ) -> dict[str, Any]:
     """Greedy decode speed and memory of one model, loaded inside the measurement and freed after it.
 
@@ -303,16 +313,23 @@ def decode_benchmark(
     weights = memory_in_use(dev) - before
     prompt = prompt_ids.to(dev)
 
-    def generate() -> torch.Tensor:
-        return model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    generate = functools.partial(
+        model.generate, prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
+    )
 
     with track_peak_memory(dev) as peak, torch.inference_mode():
         timing = time_fn(generate, warmup=warmup, repeats=repeats, device=dev)
         produced = generate().shape[1] - prompt.shape[1]
-    del model
+    del generate, model
     release_memory()
-    return {"tokens_per_s": prompt.shape[0] * produced / timing.median, "new_tokens": produced, "timing": timing,
-            "weights_bytes": weights, "generate_bytes": peak.delta_bytes, "memory_kind": peak.kind}
+    return {
+        "tokens_per_s": prompt.shape[0] * produced / timing.median,
+        "new_tokens": produced,
+        "timing": timing,
+        "weights_bytes": weights,
+        "generate_bytes": peak.delta_bytes,
+        "memory_kind": peak.kind,
+    }
 
 
 # ----------------------------------------------------------------------------- throughput and FLOPs
@@ -428,8 +445,15 @@ def matmul_throughput(
         timing = time_fn(lambda: a @ b, warmup=warmup, repeats=repeats, device=dev)
     flops = matmul_flops(size, size, size) / timing.median
     peak = device_peak_flops(dtype, dev)
-    return {"size": size, "dtype": dtype, "device": str(dev), **timing.summary(),
-            "flops_per_s": flops, "peak_flops_per_s": peak, "fraction_of_peak": mfu(flops, peak)}
+    return {
+        "size": size,
+        "dtype": dtype,
+        "device": str(dev),
+        **timing.summary(),
+        "flops_per_s": flops,
+        "peak_flops_per_s": peak,
+        "fraction_of_peak": mfu(flops, peak),
+    }
 
 
 def next_size_fits(seconds: float, size: int, next_size: int, budget_s: float) -> bool:
@@ -438,8 +462,13 @@ def next_size_fits(seconds: float, size: int, next_size: int, budget_s: float) -
 
 
 def matmul_sweep(
-    sizes: list[int], dtypes: list[str], *, device: str | torch.device | None = None, warmup: int = 2,
-    repeats: int = 5, budget_s: float = 1.0,
+    sizes: list[int],
+    dtypes: list[str],
+    *,
+    device: str | torch.device | None = None,
+    warmup: int = 2,
+    repeats: int = 5,
+    budget_s: float = 1.0,
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """`matmul_throughput` over sizes (ascending) per dtype. A dtype stops growing when one product of
     the next size would take more than `budget_s` (predicted from n³): a format this device only
@@ -449,16 +478,23 @@ def matmul_sweep(
         for size, bigger in zip(ordered, ordered[1:] + [None]):
             rows.append(matmul_throughput(size, dtype, device=device, warmup=warmup, repeats=repeats))
             if bigger is not None and not next_size_fits(rows[-1]["median_s"], size, bigger, budget_s):
-                skipped.append(f"{dtype} n >= {bigger}: one n = {size} product took "
-                               f"{fmt_seconds(rows[-1]['median_s'])}, so n = {bigger} would exceed {budget_s:g} s "
-                               "(no native support for this format here?)")
+                skipped.append(
+                    f"{dtype} n >= {bigger}: one n = {size} product took "
+                    f"{fmt_seconds(rows[-1]['median_s'])}, so n = {bigger} would exceed {budget_s:g} s "
+                    "(no native support for this format here?)"
+                )
                 break
     return rows, skipped
 
 
 def copy_bandwidth(
-    megabytes: int, *, pinned: bool, direction: str = "h2d", device: str | torch.device = "cuda",
-    warmup: int = 2, repeats: int = 5,
+    megabytes: int,
+    *,
+    pinned: bool,
+    direction: str = "h2d",
+    device: str | torch.device = "cuda",
+    warmup: int = 2,
+    repeats: int = 5,
 ) -> dict[str, Any]:
     """Host<->device copy bandwidth (bytes/s) for one buffer size; needs a CUDA device."""
     if direction not in ("h2d", "d2h"):
@@ -469,11 +505,19 @@ def copy_bandwidth(
     n = megabytes * 2**20
     host = torch.empty(n, dtype=torch.uint8, pin_memory=pinned)
     gpu = torch.empty(n, dtype=torch.uint8, device=dev)
-    copy = (lambda: gpu.copy_(host, non_blocking=pinned)) if direction == "h2d" else (
-        lambda: host.copy_(gpu, non_blocking=pinned))
+    copy = (
+        (lambda: gpu.copy_(host, non_blocking=pinned))
+        if direction == "h2d"
+        else (lambda: host.copy_(gpu, non_blocking=pinned))
+    )
     timing = time_fn(copy, warmup=warmup, repeats=repeats, device=dev)
-    return {"megabytes": megabytes, "pinned": pinned, "direction": direction, **timing.summary(),
-            "bytes_per_s": n / timing.median}
+    return {
+        "megabytes": megabytes,
+        "pinned": pinned,
+        "direction": direction,
+        **timing.summary(),
+        "bytes_per_s": n / timing.median,
+    }
 
 
 # ----------------------------------------------------------------------------- results as JSON lines

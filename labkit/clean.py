@@ -124,8 +124,10 @@ class StepReport:
         return self.docs_in - self.docs_out
 
     def __str__(self) -> str:
-        return (f"{self.step:<18} {self.docs_in:>7} -> {self.docs_out:>7} documents "
-                f"(-{self.docs_removed}), {self.chars_in - self.chars_out:>9,} characters removed")
+        return (
+            f"{self.step:<18} {self.docs_in:>7} -> {self.docs_out:>7} documents "
+            f"(-{self.docs_removed}), {self.chars_in - self.chars_out:>9,} characters removed"
+        )
 
 
 def clean_corpus(
@@ -146,8 +148,9 @@ def clean_corpus(
     return texts, reports
 
 
-def contaminate(texts: list[str], n_exact: int = 20, n_near: int = 20, n_short: int = 20, seed: int = 0
-                ) -> tuple[list[str], dict[str, int]]:
+def contaminate(
+    texts: list[str], n_exact: int = 20, n_near: int = 20, n_short: int = 20, seed: int = 0
+) -> tuple[list[str], dict[str, int]]:
     """Inject known dirt into a clean corpus: exact copies, one-word edits, short stubs, messy Unicode.
 
     Returns the dirty corpus and how many of each kind went in, so a cleaning run can be scored.

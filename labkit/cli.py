@@ -51,8 +51,10 @@ def _shards(args: argparse.Namespace) -> int:
     with assets.atomic_directory(out) as tmp:  # a job never sees half the shards
         paths = shards.tokenize_to_shards(texts, tokenizer, tmp, shard_tokens=args.shard_tokens)
     tokens = sum(shards.read_shard_info(out / p.name).tokens for p in paths)
-    print(f"wrote {len(paths)} shards, {tokens:,} tokens of {len(texts):,} documents "
-          f"({fmt_bytes(assets.dir_bytes(out))}) to {out}")
+    print(
+        f"wrote {len(paths)} shards, {tokens:,} tokens of {len(texts):,} documents "
+        f"({fmt_bytes(assets.dir_bytes(out))}) to {out}"
+    )
     return 0
 
 
@@ -82,10 +84,20 @@ def _slurm(args: argparse.Namespace) -> int:
     from labkit.distributed import slurm_script
 
     if args.unknown:
-        raise ValueError(f"unknown option(s) {' '.join(args.unknown)}; the training script's own arguments go "
-                         f"after `--`: labkit slurm {args.script} [options] -- {' '.join(args.unknown)}")
-    text = slurm_script(args.script, nodes=args.nodes, gpus_per_node=args.gpus_per_node, args=args.passthrough,
-                        job_name=args.job_name, time_limit=args.time, partition=args.partition, account=args.account)
+        raise ValueError(
+            f"unknown option(s) {' '.join(args.unknown)}; the training script's own arguments go "
+            f"after `--`: labkit slurm {args.script} [options] -- {' '.join(args.unknown)}"
+        )
+    text = slurm_script(
+        args.script,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        args=args.passthrough,
+        job_name=args.job_name,
+        time_limit=args.time,
+        partition=args.partition,
+        account=args.account,
+    )
     if args.output:
         assets.atomic_write_text(args.output, text)
         print(f"wrote {args.output}; submit it with: sbatch {args.output}")
@@ -125,8 +137,13 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("prepare", help="stage every offline asset once (e.g. on a cluster login node)")
     p.set_defaults(func=_prepare)
     p = sub.add_parser("shards", help="tokenize the offline corpus's training split into shards (multi-node jobs)")
-    p.add_argument("output", nargs="?", type=Path, default=None,
-                   help="where to write them (default: the cache, where ddp_train.py looks)")
+    p.add_argument(
+        "output",
+        nargs="?",
+        type=Path,
+        default=None,
+        help="where to write them (default: the cache, where ddp_train.py looks)",
+    )
     p.add_argument("--documents", type=int, help="the first N training documents (default: all)")
     p.add_argument("--model", help="whose tokenizer: a model name or path (default: the course's model)")
     p.add_argument("--shard-tokens", type=int, default=2**20, help="tokens per shard (default: %(default)s)")
@@ -135,11 +152,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("name", nargs="?", help="smoke, cpu or gpu (default: auto-detected)")
     p.set_defaults(func=_profile)
     p = sub.add_parser("lab", help="open JupyterLab on the labs/ folder; extra arguments go to jupyter lab")
-    p.add_argument("--root", default=str(LABS_DIR if LABS_DIR.is_dir() else Path.cwd()),
-                   help="folder to serve (default: the course's labs/, else the current folder)")
+    p.add_argument(
+        "--root",
+        default=str(LABS_DIR if LABS_DIR.is_dir() else Path.cwd()),
+        help="folder to serve (default: the course's labs/, else the current folder)",
+    )
     p.set_defaults(func=_lab)
-    p = sub.add_parser("slurm", help="write an sbatch script running a labkit script under torchrun on N nodes",
-                       usage="labkit slurm SCRIPT [options] -- [the script's arguments]")
+    p = sub.add_parser(
+        "slurm",
+        help="write an sbatch script running a labkit script under torchrun on N nodes",
+        usage="labkit slurm SCRIPT [options] -- [the script's arguments]",
+    )
     p.add_argument("script", help="the training script; its own arguments go after `--`")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=1)
@@ -149,8 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--account")
     p.add_argument("--output", "-o", help="write the script here instead of printing it")
     p.set_defaults(func=_slurm)
-    p = sub.add_parser("gpu-check", help="on a GPU machine: every lab under the gpu profile and the GPU benchmarks, "
-                                          "into one JSON; without CUDA, the CPU-side checks only")
+    p = sub.add_parser(
+        "gpu-check",
+        help="on a GPU machine: every lab under the gpu profile and the GPU benchmarks, "
+        "into one JSON; without CUDA, the CPU-side checks only",
+    )
     p.add_argument("--output", "-o", type=Path, default=Path("results/gpu-check.json"))
     p.add_argument("--no-labs", action="store_true", help="benchmarks only (minutes instead of an hour)")
     p.add_argument("--plan", action="store_true", help="print the steps it would run, and run nothing")

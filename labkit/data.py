@@ -70,9 +70,7 @@ def _local_documents(path: Path) -> tuple[Document, ...]:
                 record = json.loads(line)
                 body = record["text"]
             except (ValueError, KeyError, TypeError):
-                raise ValueError(
-                    f"{path}, line {i + 1}: expected a JSON object with a 'text' field"
-                ) from None
+                raise ValueError(f"{path}, line {i + 1}: expected a JSON object with a 'text' field") from None
             docs.append(Document(str(record.get("title", f"{path.name}:{i + 1}")), body.strip()))
     elif path.suffix == ".txt":  # documents are separated by blank lines
         paragraphs = [p.strip() for p in text.replace("\r\n", "\n").split("\n\n")]

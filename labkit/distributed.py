@@ -14,9 +14,10 @@ import sys
 import tempfile
 import threading
 import traceback
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -152,8 +153,13 @@ def save_result(result: dict[str, Any]) -> None:
 
 
 def launch(
-    script: str | Path, nproc: int = 2, args: list[str] | None = None, *, timeout: float = 300,
-    echo: Callable[[str], None] | None = print, env: dict[str, str] | None = None,
+    script: str | Path,
+    nproc: int = 2,
+    args: list[str] | None = None,
+    *,
+    timeout: float = 300,
+    echo: Callable[[str], None] | None = print,
+    env: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """Run `script` under torchrun with `nproc` local processes; return each rank's saved result.
 
@@ -172,12 +178,28 @@ def launch(
     (echo or print)(f"labkit: {where.reason}")
     me = _process_id()
     with tempfile.TemporaryDirectory(prefix="labkit-launch-") as out:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(script), *(args or [])]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            str(script),
+            *(args or []),
+        ]
         proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-            env={**env, RESULT_ENV: out, DEVICE_ENV: where.device_type, LAUNCHER_ENV: me,
-                 "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")},
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            env={
+                **env,
+                RESULT_ENV: out,
+                DEVICE_ENV: where.device_type,
+                LAUNCHER_ENV: me,
+                "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+            },
         )
         lines: list[str] = []
 
@@ -193,8 +215,10 @@ def launch(
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             _kill_tree(proc)
-            raise TimeoutError(f"{script.name} did not finish within {timeout:.0f} s and was killed; "
-                               "last output:\n" + "".join(lines[-20:])) from None
+            raise TimeoutError(
+                f"{script.name} did not finish within {timeout:.0f} s and was killed; "
+                "last output:\n" + "".join(lines[-20:])
+            ) from None
         except BaseException:  # an interrupted notebook cell, Ctrl-C: stop the job before giving up
             _kill_tree(proc)
             raise
@@ -205,8 +229,10 @@ def launch(
             raise RankError(f"{errors[0].stem.replace('error_', '')} of {script.name} failed:\n{errors[0].read_text()}")
         if code != 0:
             raise RankError(f"{script.name} exited with {code}; last output:\n" + "".join(lines[-30:]))
-        return [json.loads(p.read_text()) for p in sorted(Path(out).glob("result_rank*.json"),
-                                                             key=lambda p: int(p.stem.removeprefix("result_rank")))]
+        return [
+            json.loads(p.read_text())
+            for p in sorted(Path(out).glob("result_rank*.json"), key=lambda p: int(p.stem.removeprefix("result_rank")))
+        ]
 
 
 def _process_id(pid: int | None = None) -> str:
@@ -291,8 +317,9 @@ class BucketedDataParallel:
     def finish(self) -> None:
         """After backward: wait for every bucket and write the averaged gradients back."""
         if any(self._pending):
-            raise RuntimeError("some parameters received no gradient in this backward; "
-                               "every parameter must take part (or be frozen)")
+            raise RuntimeError(
+                "some parameters received no gradient in this backward; every parameter must take part (or be frozen)"
+            )
         for work, flat, i in self._works:
             work.wait()
             flat /= self.world
@@ -303,8 +330,9 @@ class BucketedDataParallel:
         self.reset()
 
 
-def time_all_reduce(numel: int, device: torch.device, repeats: int = 5,
-                    all_reduce: Callable[[torch.Tensor], Any] = dist.all_reduce) -> float:
+def time_all_reduce(
+    numel: int, device: torch.device, repeats: int = 5, all_reduce: Callable[[torch.Tensor], Any] = dist.all_reduce
+) -> float:
     """Median seconds for one all-reduce of `numel` fp32 values across the group (call on every rank)."""
     from labkit.bench import time_fn
 
@@ -376,9 +404,18 @@ def ring_all_reduce_(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def slurm_script(
-    script: str | Path, *, nodes: int = 1, gpus_per_node: int = 1, args: list[str] | None = None,
-    job_name: str = "labkit", time_limit: str = "00:30:00", cpus_per_node: int | None = None,
-    partition: str | None = None, account: str | None = None, venv: str | None = None, port: int = 29500,
+    script: str | Path,
+    *,
+    nodes: int = 1,
+    gpus_per_node: int = 1,
+    args: list[str] | None = None,
+    job_name: str = "labkit",
+    time_limit: str = "00:30:00",
+    cpus_per_node: int | None = None,
+    partition: str | None = None,
+    account: str | None = None,
+    venv: str | None = None,
+    port: int = 29500,
 ) -> str:
     """An sbatch script that runs `script` under torchrun on `nodes` × `gpus_per_node` GPUs (c10d rendezvous).
 
@@ -398,8 +435,14 @@ def slurm_script(
     if not 1024 <= port <= 65535:
         raise ValueError(f"port must be in [1024, 65535], got {port}")
     venv = venv or (sys.prefix if sys.prefix != sys.base_prefix else None)
-    sbatch = [f"--job-name={job_name}", f"--nodes={nodes}", "--ntasks-per-node=1",
-              f"--gpus-per-node={gpus_per_node}", f"--time={time_limit}", "--output=%x-%j.out"]
+    sbatch = [
+        f"--job-name={job_name}",
+        f"--nodes={nodes}",
+        "--ntasks-per-node=1",
+        f"--gpus-per-node={gpus_per_node}",
+        f"--time={time_limit}",
+        "--output=%x-%j.out",
+    ]
     sbatch += [f"--cpus-per-task={cpus_per_node}"] * bool(cpus_per_node)
     sbatch += [f"--partition={partition}"] * bool(partition) + [f"--account={account}"] * bool(account)
     command = " ".join(shlex.quote(a) for a in [str(script), *(args or [])])
@@ -418,7 +461,7 @@ def slurm_script(
         "#   export NCCL_IB_DISABLE=1         # only where InfiniBand is absent or broken (slow TCP fallback)",
         "# the rendezvous is on the first node (read whole: `| head -1` can SIGPIPE scontrol, and pipefail aborts)",
         'nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))',
-        'head_node=${nodes[0]}',
+        "head_node=${nodes[0]}",
         "srun --kill-on-bad-exit=1 python -m torch.distributed.run \\",
         f'    --nnodes="$SLURM_NNODES" --nproc_per_node={gpus_per_node} \\',
         f'    --rdzv_backend=c10d --rdzv_endpoint="$head_node:{port}" --rdzv_id="$SLURM_JOB_ID" \\',
@@ -451,8 +494,12 @@ def megatron_mlp_shard(fc1: nn.Linear, fc2: nn.Linear, rank: int, world: int) ->
     return a, b
 
 
-def tensor_parallel_mlp(x: torch.Tensor, a: nn.Linear, b: nn.Linear,
-                        activation: Callable[[torch.Tensor], torch.Tensor] = torch.nn.functional.gelu) -> torch.Tensor:
+def tensor_parallel_mlp(
+    x: torch.Tensor,
+    a: nn.Linear,
+    b: nn.Linear,
+    activation: Callable[[torch.Tensor], torch.Tensor] = torch.nn.functional.gelu,
+) -> torch.Tensor:
     """The MLP's output from this rank's shard: partial result, then a sum over ranks."""
     y = b(activation(a(x)))
     dist.all_reduce(y, op=dist.ReduceOp.SUM)

@@ -56,7 +56,10 @@ def _nvidia_driver() -> str | None:
     try:
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=20, check=True,
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
@@ -68,16 +71,18 @@ def gpus() -> list[dict[str, Any]]:
     found = []
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
-        found.append({
-            "index": i,
-            "name": p.name,
-            "compute_capability": f"{p.major}.{p.minor}",
-            "memory_bytes": p.total_memory,
-            "multiprocessors": p.multi_processor_count,
-            "bf16": p.major >= 8,
-            "tf32": p.major >= 8,
-            "fp16_tensor_cores": p.major >= 7,
-        })
+        found.append(
+            {
+                "index": i,
+                "name": p.name,
+                "compute_capability": f"{p.major}.{p.minor}",
+                "memory_bytes": p.total_memory,
+                "multiprocessors": p.multi_processor_count,
+                "bf16": p.major >= 8,
+                "tf32": p.major >= 8,
+                "fp16_tensor_cores": p.major >= 7,
+            }
+        )
     return found
 
 
@@ -146,8 +151,11 @@ def format_report(info: dict[str, Any]) -> str:
         ("OS", info["os"]),
         ("Python", info["python"]),
         ("Packages", ", ".join(f"{k} {v}" for k, v in info["packages"].items() if v)),
-        ("CPU", f"{cpu['model']}: {cpu['logical_cores']} logical / {cpu['physical_cores']} physical cores, "
-                f"torch uses {cpu['torch_threads']} threads"),
+        (
+            "CPU",
+            f"{cpu['model']}: {cpu['logical_cores']} logical / {cpu['physical_cores']} physical cores, "
+            f"torch uses {cpu['torch_threads']} threads",
+        ),
         ("CPU features", feats),
         ("RAM", f"{fmt_bytes(info['ram_bytes'])} total, {fmt_bytes(info['ram_available_bytes'])} available"),
     ]
@@ -159,10 +167,19 @@ def format_report(info: dict[str, Any]) -> str:
             ("NVIDIA driver", info["nvidia_driver"]),
         ]
         for g in info["gpus"]:
-            rows.append((f"GPU {g['index']}", f"{g['name']}, compute capability {g['compute_capability']}, "
-                         f"{fmt_bytes(g['memory_bytes'])}, {g['multiprocessors']} SMs"))
-            rows.append((f"GPU {g['index']} precisions", f"fp16 tensor cores {g['fp16_tensor_cores']}, "
-                         f"bf16 {g['bf16']}, tf32 {g['tf32']}"))
+            rows.append(
+                (
+                    f"GPU {g['index']}",
+                    f"{g['name']}, compute capability {g['compute_capability']}, "
+                    f"{fmt_bytes(g['memory_bytes'])}, {g['multiprocessors']} SMs",
+                )
+            )
+            rows.append(
+                (
+                    f"GPU {g['index']} precisions",
+                    f"fp16 tensor cores {g['fp16_tensor_cores']}, bf16 {g['bf16']}, tf32 {g['tf32']}",
+                )
+            )
     else:
         why = f"torch {torch.__version__} is a CPU build" if info["torch_cuda"] is None else "no GPU visible"
         rows.append(("GPU", f"none: {why}; CUDA, cuDNN, NCCL, driver and GPU precisions are skipped"))

@@ -115,17 +115,24 @@ def generate(
     use_chat = bool(tokenizer.chat_template) if chat is None else chat
     if use_chat:
         enc = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True,
-            return_tensors="pt", return_dict=True,
+            [{"role": "user", "content": prompt}],
+            add_generation_prompt=True,
+            return_tensors="pt",
+            return_dict=True,
         )
     else:
         enc = tokenizer(prompt, return_tensors="pt")
     enc = {k: v.to(device) for k, v in enc.items()}
-    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {
-        "do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    sampling = (
+        {"do_sample": True, "temperature": temperature, "top_p": top_p}
+        if temperature > 0
+        else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    )
     torch.manual_seed(seed)
     out = model.generate(
-        **enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+        **enc,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
         **sampling,
     )
-    return tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    return tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True).strip()

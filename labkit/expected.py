@@ -36,8 +36,10 @@ class ExpectationFailed(AssertionError):
 
 REFERENCE = {  # where the ranges were measured; quality figures agree on these CPUs, speed figures come from the first
     "smoke": "2-core VMs: Intel Xeon (Sapphire Rapids with AMX; Cascade Lake) and AMD EPYC (Zen 3, AVX2), torch 2.13 "
-             "CPU build: the CI machines",
-    "cpu": "2-core Intel Xeon VMs (Sapphire Rapids with AMX; Cascade Lake), torch 2.13 CPU build; GPTQ also on AMD EPYC",
+    "CPU build: the CI machines",
+    "cpu": (
+        "2-core Intel Xeon VMs (Sapphire Rapids with AMX; Cascade Lake), torch 2.13 CPU build; GPTQ also on AMD EPYC"
+    ),
 }
 
 
@@ -57,61 +59,109 @@ EXPECTED: dict[str, dict[str, dict[str, Range]]] = {
         "cpu": {"perplexity": quality(17.7, 18.1), "best fp32 matmul TFLOP/s": speed(0.2, 0.45)},
     },
     "01": {
-        "smoke": {"bytes per token, own BPE (largest vocab)": quality(1.95, 2.07),
-                  "bytes per token, SmolLM2": quality(4.58, 4.66), "merges identical to tokenizers": quality(1, 1)},
-        "cpu": {"bytes per token, own BPE (largest vocab)": quality(4.44, 4.54),
-                "bytes per token, SmolLM2": quality(4.58, 4.66), "merges identical to tokenizers": quality(1, 1)},
+        "smoke": {
+            "bytes per token, own BPE (largest vocab)": quality(1.95, 2.07),
+            "bytes per token, SmolLM2": quality(4.58, 4.66),
+            "merges identical to tokenizers": quality(1, 1),
+        },
+        "cpu": {
+            "bytes per token, own BPE (largest vocab)": quality(4.44, 4.54),
+            "bytes per token, SmolLM2": quality(4.58, 4.66),
+            "merges identical to tokenizers": quality(1, 1),
+        },
     },
     "02": {
-        "smoke": {"final loss, fp32": quality(10.4, 10.8), "final loss, bf16": quality(10.4, 10.8),
-                  "final loss difference bf16 - fp32": quality(-0.05, 0.05)},
-        "cpu": {"final loss, fp32": quality(7.2, 7.6), "final loss, bf16": quality(7.2, 7.6),
-                "final loss difference bf16 - fp32": quality(-0.05, 0.05), "bf16 step time / fp32": speed(0.6, 0.85)},
+        "smoke": {
+            "final loss, fp32": quality(10.4, 10.8),
+            "final loss, bf16": quality(10.4, 10.8),
+            "final loss difference bf16 - fp32": quality(-0.05, 0.05),
+        },
+        "cpu": {
+            "final loss, fp32": quality(7.2, 7.6),
+            "final loss, bf16": quality(7.2, 7.6),
+            "final loss difference bf16 - fp32": quality(-0.05, 0.05),
+            "bf16 step time / fp32": speed(0.6, 0.85),
+        },
     },
     "03": {
-        "smoke": {"gradient error, token-normalized": quality(0, 1e-5),
-                  "gradient error, per-micro-batch mean": quality(0.25, 0.45), "final training loss": quality(10.1, 10.6)},
-        "cpu": {"gradient error, token-normalized": quality(0, 1e-5),
-                "gradient error, per-micro-batch mean": quality(0.25, 0.45), "final training loss": quality(6.6, 7.1)},
+        "smoke": {
+            "gradient error, token-normalized": quality(0, 1e-5),
+            "gradient error, per-micro-batch mean": quality(0.25, 0.45),
+            "final training loss": quality(10.1, 10.6),
+        },
+        "cpu": {
+            "gradient error, token-normalized": quality(0, 1e-5),
+            "gradient error, per-micro-batch mean": quality(0.25, 0.45),
+            "final training loss": quality(6.6, 7.1),
+        },
     },
     "04": {
-        "smoke": {"DDP vs one process, gradient difference": quality(0, 1e-12),
-                  "bucketed vs DDP, gradient difference": quality(0, 1e-12),
-                  "ring vs dist.all_reduce, difference": quality(0, 1e-12)},
-        "cpu": {"DDP vs one process, gradient difference": quality(0, 1e-12),
-                "bucketed vs DDP, gradient difference": quality(0, 1e-12),
-                "ring vs dist.all_reduce, difference": quality(0, 1e-12), "scaling efficiency, 2 ranks": speed(0.75, 1.0)},
+        "smoke": {
+            "DDP vs one process, gradient difference": quality(0, 1e-12),
+            "bucketed vs DDP, gradient difference": quality(0, 1e-12),
+            "ring vs dist.all_reduce, difference": quality(0, 1e-12),
+        },
+        "cpu": {
+            "DDP vs one process, gradient difference": quality(0, 1e-12),
+            "bucketed vs DDP, gradient difference": quality(0, 1e-12),
+            "ring vs dist.all_reduce, difference": quality(0, 1e-12),
+            "scaling efficiency, 2 ranks": speed(0.75, 1.0),
+        },
     },
     "05": {
-        "smoke": {"pipeline vs unsplit, loss difference": quality(0, 1e-6),
-                  "tensor-parallel vs unsplit MLP, output difference": quality(0, 1e-5)},
-        "cpu": {"pipeline vs unsplit, loss difference": quality(0, 1e-6),
-                "tensor-parallel vs unsplit MLP, output difference": quality(0, 1e-5),
-                "bubble, GPipe, 4 micro-batches": speed(0.2, 0.32)},
+        "smoke": {
+            "pipeline vs unsplit, loss difference": quality(0, 1e-6),
+            "tensor-parallel vs unsplit MLP, output difference": quality(0, 1e-5),
+        },
+        "cpu": {
+            "pipeline vs unsplit, loss difference": quality(0, 1e-6),
+            "tensor-parallel vs unsplit MLP, output difference": quality(0, 1e-5),
+            "bubble, GPipe, 4 micro-batches": speed(0.2, 0.32),
+        },
     },
     "06": {
-        "smoke": {"perplexity, dense": quality(18.4, 19.0), "perplexity, 50 % unstructured per layer": quality(490, 610),
-                  "perplexity, 2:4": quality(3200, 4000)},
-        "cpu": {"perplexity, dense": quality(17.7, 18.1), "perplexity, 50 % unstructured per layer": quality(520, 640),
-                "perplexity, 2:4": quality(2100, 2650)},
+        "smoke": {
+            "perplexity, dense": quality(18.4, 19.0),
+            "perplexity, 50 % unstructured per layer": quality(490, 610),
+            "perplexity, 2:4": quality(3200, 4000),
+        },
+        "cpu": {
+            "perplexity, dense": quality(17.7, 18.1),
+            "perplexity, 50 % unstructured per layer": quality(520, 640),
+            "perplexity, 2:4": quality(2100, 2650),
+        },
     },
     "07": {
         # smoke GPTQ: 8192 calibration tokens; 26.96 (AVX2, 1 or 2 threads: identical codes), 28.04 (scalar kernels),
         # 27.61 / 27.82 / 28.27 with other calibration draws (EPYC): GPTQ's own spread on a 327-token evaluation
-        "smoke": {"perplexity, fp32": quality(18.4, 19.0), "perplexity, GPTQ 4-bit g64": quality(26.0, 28.5),
-                  "perplexity, RTN 4-bit g64": quality(27.8, 29.4)},
+        "smoke": {
+            "perplexity, fp32": quality(18.4, 19.0),
+            "perplexity, GPTQ 4-bit g64": quality(26.0, 28.5),
+            "perplexity, RTN 4-bit g64": quality(27.8, 29.4),
+        },
         # cpu GPTQ (32 x 512 tokens): 26.73 (Intel, fp32 Hessian), 26.59 (GPTQModel, Intel); on an AMD EPYC 27.79
         # (fp32 Hessian), 28.15 / 26.31 (float64 Hessian, calibration seeds 0 / 1): at 4-bit g64 on SmolLM2's
         # already-4-bit weights GPTQ's spread over draws is as large as its lead over RTN (27.00)
-        "cpu": {"perplexity, fp32": quality(17.7, 18.1), "perplexity, GPTQ 4-bit g64": quality(25.5, 28.5),
-                "perplexity, RTN 4-bit g64": quality(26.0, 28.0)},
+        "cpu": {
+            "perplexity, fp32": quality(17.7, 18.1),
+            "perplexity, GPTQ 4-bit g64": quality(25.5, 28.5),
+            "perplexity, RTN 4-bit g64": quality(26.0, 28.0),
+        },
     },
     "08": {
-        "smoke": {"answer loss, base model": quality(2.25, 2.4), "answer loss, full fine-tune": quality(0.45, 0.72),
-                  "answer loss, LoRA r=8 q,v": quality(1.85, 2.15)},
-        "cpu": {"answer loss, base model": quality(2.3, 2.45), "answer loss, full fine-tune": quality(0.38, 0.5),
-                "answer loss, LoRA r=8 q,v": quality(0.4, 0.52), "exact match, base model": quality(0.0, 0.05),
-                "exact match, full fine-tune": quality(0.5, 0.85), "exact match, LoRA r=8 q,v": quality(0.5, 0.9)},
+        "smoke": {
+            "answer loss, base model": quality(2.25, 2.4),
+            "answer loss, full fine-tune": quality(0.45, 0.72),
+            "answer loss, LoRA r=8 q,v": quality(1.85, 2.15),
+        },
+        "cpu": {
+            "answer loss, base model": quality(2.3, 2.45),
+            "answer loss, full fine-tune": quality(0.38, 0.5),
+            "answer loss, LoRA r=8 q,v": quality(0.4, 0.52),
+            "exact match, base model": quality(0.0, 0.05),
+            "exact match, full fine-tune": quality(0.5, 0.85),
+            "exact match, LoRA r=8 q,v": quality(0.5, 0.9),
+        },
     },
 }
 
@@ -150,12 +200,18 @@ def check(lab: str, measured: dict[str, float], profile: str | None = None) -> l
             print(f"  {r.metric:<{width}}  {_fmt(r.value):>9}")
             continue
         verdict = "ok" if r.ok else ("outside: speed depends on your hardware" if r.expected.speed else "OUTSIDE")
-        print(f"  {r.metric:<{width}}  {_fmt(r.value):>9}  expected {_fmt(r.expected.low)}–{_fmt(r.expected.high)}"
-              f"{' (speed)' if r.expected.speed else ''}  {verdict}")
+        print(
+            f"  {r.metric:<{width}}  {_fmt(r.value):>9}  expected {_fmt(r.expected.low)}–{_fmt(r.expected.high)}"
+            f"{' (speed)' if r.expected.speed else ''}  {verdict}"
+        )
     for metric in [] if table is None else [m for m in table if m not in measured]:
         print(f"  {metric:<{width}}  {'—':>9}  not measured on this machine")
     failed = [r for r in rows if r.ok is False and not r.expected.speed]
     if failed:
-        raise ExpectationFailed(f"lab {lab}, profile {name!r}: " + "; ".join(
-            f"{r.metric} = {_fmt(r.value)} not in [{_fmt(r.expected.low)}, {_fmt(r.expected.high)}]" for r in failed))
+        raise ExpectationFailed(
+            f"lab {lab}, profile {name!r}: "
+            + "; ".join(
+                f"{r.metric} = {_fmt(r.value)} not in [{_fmt(r.expected.low)}, {_fmt(r.expected.high)}]" for r in failed
+            )
+        )
     return rows

@@ -9,9 +9,10 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from labkit import assets, bench, distributed, env, precision, profiles
 
@@ -21,14 +22,26 @@ SIZES_TEST = ROOT / "tests" / "test_profiles.py"  # every profile's sizes agains
 # The course's GPU goals: (target, how to read the measured figure from the benchmarks' records).
 # Printed beside the measurement, never failed: they are speed figures.
 GOALS: dict[str, tuple[str, Callable[[list[dict[str, Any]]], float | None]]] = {
-    "bf16 MFU, GPT-2 small, torch.compile": (">= 0.55", lambda records: _best(
-        r.get("mfu") for r in records if r.get("benchmark") == "precision_mfu" and r.get("mode") == "bf16"
-        and r.get("compile"))),
-    "2:4 sparse linear speed-up, 8192 x 8192": ("> 1", lambda records: _best(
-        r.get("semi_structured", {}).get("8192x8192", {}).get("speedup") for r in records
-        if r.get("benchmark") == "pruning_speed")),
-    "GPTQ 4-bit / fp16 decode speed, batch 1": ("> 1", lambda records: _best(
-        r.get("speedup") for r in records if r.get("benchmark") == "gptq_decode")),
+    "bf16 MFU, GPT-2 small, torch.compile": (
+        ">= 0.55",
+        lambda records: _best(
+            r.get("mfu")
+            for r in records
+            if r.get("benchmark") == "precision_mfu" and r.get("mode") == "bf16" and r.get("compile")
+        ),
+    ),
+    "2:4 sparse linear speed-up, 8192 x 8192": (
+        "> 1",
+        lambda records: _best(
+            r.get("semi_structured", {}).get("8192x8192", {}).get("speedup")
+            for r in records
+            if r.get("benchmark") == "pruning_speed"
+        ),
+    ),
+    "GPTQ 4-bit / fp16 decode speed, batch 1": (
+        "> 1",
+        lambda records: _best(r.get("speedup") for r in records if r.get("benchmark") == "gptq_decode"),
+    ),
 }
 
 
@@ -62,45 +75,96 @@ def plan(gpus: int, log: Path, root: Path = ROOT) -> list[Step]:
         Step("pruning speed and 2:4 kernels", benchmark("pruning_speed.py", "--device", "cuda"), 1200),
         Step("GPTQ 4-bit decode vs fp16", benchmark("gptq_decode.py", "--device", "cuda"), 1200),
         Step("LoRA vs full fine-tune memory", benchmark("lora_vs_full.py"), 2400),
-        Step("all-reduce on NCCL", [py, "-m", "torch.distributed.run", "--standalone",
-                                    f"--nproc_per_node={max(2, min(gpus, 8))}",
-                                    str(root / "labs" / "scripts" / "allreduce_bench.py"), "--log", str(log)],
-             600, gpus=2),
+        Step(
+            "all-reduce on NCCL",
+            [
+                py,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc_per_node={max(2, min(gpus, 8))}",
+                str(root / "labs" / "scripts" / "allreduce_bench.py"),
+                "--log",
+                str(log),
+            ],
+            600,
+            gpus=2,
+        ),
     ]
     for notebook in sorted((root / "labs").glob("[0-9][0-9]_*.ipynb")):
-        steps.append(Step(f"lab {notebook.stem}", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax",
-                                                   "--nbval-cell-timeout=3600", str(notebook)],
-                          5400, env={profiles.ENV_VAR: "gpu"}))
+        steps.append(
+            Step(
+                f"lab {notebook.stem}",
+                [
+                    py,
+                    "-m",
+                    "pytest",
+                    "-q",
+                    "-p",
+                    "no:cacheprovider",
+                    "--nbval-lax",
+                    "--nbval-cell-timeout=3600",
+                    str(notebook),
+                ],
+                5400,
+                env={profiles.ENV_VAR: "gpu"},
+            )
+        )
     return steps
 
 
 def cpu_checks() -> list[dict[str, Any]]:
     """What can be checked without a GPU: the machine, where ranks would run, the gpu profile's sizes."""
     gpus = distributed.visible_gpus()
-    rows = [{"check": "CUDA", "ok": gpus > 0,
-             "detail": f"{gpus} GPU(s): {', '.join(g['name'] for g in env.gpus())}" if gpus
-             else precision.cuda_problem("cuda") or "no CUDA GPU visible to torch"}]
+    rows = [
+        {
+            "check": "CUDA",
+            "ok": gpus > 0,
+            "detail": f"{gpus} GPU(s): {', '.join(g['name'] for g in env.gpus())}"
+            if gpus
+            else precision.cuda_problem("cuda") or "no CUDA GPU visible to torch",
+        }
+    ]
     rows.append({"check": "labs 04/05 ranks", "ok": True, "detail": distributed.placement(2, gpus).reason})
     cache = assets.read_access_problem(assets.cache_dir())
     rows.append({"check": "offline cache", "ok": cache is None, "detail": cache or str(assets.cache_dir())})
     if SIZES_TEST.is_file():  # a source checkout
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(SIZES_TEST)],
-                              cwd=ROOT, capture_output=True, text=True)
-        rows.append({"check": "profile sizes vs the data", "ok": done.returncode == 0,
-                     "detail": (done.stdout.strip().splitlines() or ["no output"])[-1]})
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(SIZES_TEST)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
+        rows.append(
+            {
+                "check": "profile sizes vs the data",
+                "ok": done.returncode == 0,
+                "detail": (done.stdout.strip().splitlines() or ["no output"])[-1],
+            }
+        )
     return rows
 
 
 def run_step(step: Step, gpus: int, cwd: Path, echo: Callable[[str], None] = print) -> dict[str, Any]:
     """Run one step; its outcome, time and output tail (a failed or skipped step does not stop the check)."""
     if gpus < step.gpus:
-        return {"step": step.name, "status": "skipped", "seconds": 0.0,
-                "detail": f"needs {step.gpus} GPUs, this machine has {gpus}"}
+        return {
+            "step": step.name,
+            "status": "skipped",
+            "seconds": 0.0,
+            "detail": f"needs {step.gpus} GPUs, this machine has {gpus}",
+        }
     echo(f"--- {step.name}")
     start = time.perf_counter()
     try:
-        done = subprocess.run(step.command, cwd=cwd, env={**os.environ, **step.env}, capture_output=True, text=True,
-                              timeout=step.timeout_s)
+        done = subprocess.run(
+            step.command,
+            cwd=cwd,
+            env={**os.environ, **step.env},
+            capture_output=True,
+            text=True,
+            timeout=step.timeout_s,
+        )
         status, output = ("passed" if done.returncode == 0 else "failed"), done.stdout + done.stderr
     except subprocess.TimeoutExpired as err:
         status, output = "timed out", f"{err.stdout or ''}{err.stderr or ''}"
@@ -112,22 +176,31 @@ def run_step(step: Step, gpus: int, cwd: Path, echo: Callable[[str], None] = pri
 
 def gpu_check(output: Path, *, run_labs: bool = True, echo: Callable[[str], None] = print) -> dict[str, Any]:
     """The whole check; writes `output` (JSON) and returns it. Without CUDA only cpu_checks run."""
-    report: dict[str, Any] = {"device": bench.device_name(), "environment": env.collect(), "checks": cpu_checks(),
-                              "steps": [], "benchmarks": [], "goals": {}}
+    report: dict[str, Any] = {
+        "device": bench.device_name(),
+        "environment": env.collect(),
+        "checks": cpu_checks(),
+        "steps": [],
+        "benchmarks": [],
+        "goals": {},
+    }
     for row in report["checks"]:
         echo(f"{'ok ' if row['ok'] else 'NO '} {row['check']}: {row['detail']}")
     gpus = distributed.visible_gpus()
     if gpus == 0:
-        echo("no CUDA GPU: the GPU steps (labs under the gpu profile, GPU benchmarks) were not run; "
-             "nothing GPU-side was measured")
+        echo(
+            "no CUDA GPU: the GPU steps (labs under the gpu profile, GPU benchmarks) were not run; "
+            "nothing GPU-side was measured"
+        )
     else:
         log = output.with_suffix(".benchmarks.jsonl")
         log.unlink(missing_ok=True)
         steps = [s for s in plan(gpus, log) if run_labs or not s.name.startswith("lab ")]
         report["steps"] = [run_step(s, gpus, ROOT / "labs" if s.name.startswith("lab ") else ROOT, echo) for s in steps]
         report["benchmarks"] = bench.read_results(log) if log.exists() else []
-        report["goals"] = {goal: {"target": target, "measured": read(report["benchmarks"])}
-                           for goal, (target, read) in GOALS.items()}
+        report["goals"] = {
+            goal: {"target": target, "measured": read(report["benchmarks"])} for goal, (target, read) in GOALS.items()
+        }
         echo(summary(report))
     assets.atomic_write_text(output, json.dumps(report, indent=1, default=str))
     echo(f"wrote {output}")
@@ -139,7 +212,9 @@ def summary(report: dict[str, Any]) -> str:
     lines = [f"gpu-check on {report['device']}:"]
     lines += [f"  {s['status']:>9}  {s['step']} ({s['seconds']:.0f} s)" for s in report["steps"]]
     lines += ["goals (speed: reported, never failed):"]
-    lines += [f"  {goal}: target {g['target']}, "
-              + ("not measured" if g["measured"] is None else f"measured {g['measured']:.3g}")
-              for goal, g in report["goals"].items()]
+    lines += [
+        f"  {goal}: target {g['target']}, "
+        + ("not measured" if g["measured"] is None else f"measured {g['measured']:.3g}")
+        for goal, g in report["goals"].items()
+    ]
     return "\n".join(lines)

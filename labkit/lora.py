@@ -13,9 +13,9 @@ import io
 import math
 import statistics
 import warnings
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -32,7 +32,8 @@ def is_linear(module: nn.Module) -> bool:
     if isinstance(module, nn.Linear):
         return True
     return callable(getattr(module, "dequantize", None)) and all(
-        hasattr(module, a) for a in ("in_features", "out_features", "bias"))
+        hasattr(module, a) for a in ("in_features", "out_features", "bias")
+    )
 
 
 class LoRALinear(nn.Module):
@@ -67,8 +68,13 @@ class LoRALinear(nn.Module):
         """A plain nn.Linear whose weight is W + ΔW: the same outputs, no adapter overhead.
         (A packed base merges into a full-precision layer: rounding W + ΔW back to 4 bits would lose ΔW.)"""
         weight = self.base.weight
-        out = nn.Linear(self.base.in_features, self.base.out_features, bias=self.base.bias is not None,
-                        device=weight.device, dtype=weight.dtype)
+        out = nn.Linear(
+            self.base.in_features,
+            self.base.out_features,
+            bias=self.base.bias is not None,
+            device=weight.device,
+            dtype=weight.dtype,
+        )
         with torch.no_grad():
             out.weight.copy_(weight + self.delta_weight().to(weight.dtype))
             if self.base.bias is not None:
@@ -79,8 +85,11 @@ class LoRALinear(nn.Module):
 def linear_names(model: nn.Module, include_lm_head: bool = False) -> list[str]:
     """Names of the model's linear layers (nn.Linear or packed), the LM head left out unless asked."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return [n for n, m in model.named_modules()
-            if is_linear(m) and not isinstance(m, LoRALinear) and (include_lm_head or m is not head)]
+    return [
+        n
+        for n, m in model.named_modules()
+        if is_linear(m) and not isinstance(m, LoRALinear) and (include_lm_head or m is not head)
+    ]
 
 
 def resolve_targets(model: nn.Module, targets: str | Sequence[str]) -> list[str]:
@@ -100,8 +109,13 @@ def resolve_targets(model: nn.Module, targets: str | Sequence[str]) -> list[str]
     return [n for n in names if any(n == t or n.endswith("." + t) for t in targets)]
 
 
-def add_lora(model: nn.Module, targets: str | Sequence[str] = ("q_proj", "v_proj"), r: int = 8,
-             alpha: float = 16, dropout: float = 0.0) -> dict[str, LoRALinear]:
+def add_lora(
+    model: nn.Module,
+    targets: str | Sequence[str] = ("q_proj", "v_proj"),
+    r: int = 8,
+    alpha: float = 16,
+    dropout: float = 0.0,
+) -> dict[str, LoRALinear]:
     """Freeze the model and wrap the target linears in LoRALinear, in place; returns the adapters by name."""
     chosen = resolve_targets(model, targets)
     model.requires_grad_(False)
@@ -130,7 +144,7 @@ def update_spectrum(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     """Singular values (descending) of a fine-tune's weight update ΔW = after − before."""
     if before.shape != after.shape or before.dim() != 2:
         raise ValueError(f"need two weights of one 2-D shape, got {tuple(before.shape)} and {tuple(after.shape)}")
-    return torch.linalg.svdvals((after.detach().float() - before.detach().float()))
+    return torch.linalg.svdvals(after.detach().float() - before.detach().float())
 
 
 def energy_rank(singular_values: torch.Tensor, share: float = 0.9) -> int:
@@ -156,8 +170,10 @@ def truncated_updates(model: nn.Module, before: dict[str, torch.Tensor], ranks: 
     if unknown:
         raise ValueError(f"not 2-D parameters of this model with the same shape: {unknown[:5]}")
     trained = {n: params[n].detach().clone() for n in before}
-    factors = {n: torch.linalg.svd(trained[n].float() - w0.float().to(trained[n].device), full_matrices=False)
-               for n, w0 in before.items()}
+    factors = {
+        n: torch.linalg.svd(trained[n].float() - w0.float().to(trained[n].device), full_matrices=False)
+        for n, w0 in before.items()
+    }
     try:
         for r in ranks:
             for n, (u, s, vh) in factors.items():
@@ -198,17 +214,29 @@ class FinetuneResult:
 
     def row(self, base_parameters: int) -> dict[str, str]:
         """The result as one row of the lab's comparison table."""
-        return {"run": self.name, "trainable": f"{self.trainable:,}",
-                "share": f"{100 * self.trainable / base_parameters:.2f} %",
-                "state": bench.fmt_bytes(self.state_bytes["total"]),
-                "peak": bench.fmt_bytes(self.peak_memory.peak_bytes),
-                "step": bench.fmt_seconds(self.step_seconds),
-                "eval loss": f"{self.eval_loss:.3f}", "exact match": f"{100 * self.accuracy:.1f} %"}
+        return {
+            "run": self.name,
+            "trainable": f"{self.trainable:,}",
+            "share": f"{100 * self.trainable / base_parameters:.2f} %",
+            "state": bench.fmt_bytes(self.state_bytes["total"]),
+            "peak": bench.fmt_bytes(self.peak_memory.peak_bytes),
+            "step": bench.fmt_seconds(self.step_seconds),
+            "eval loss": f"{self.eval_loss:.3f}",
+            "exact match": f"{100 * self.accuracy:.1f} %",
+        }
 
 
-def finetune_and_score(name: str, model: nn.Module, tokenizer, train_examples: Sequence[tasks.Example],
-                       eval_examples: Sequence[tasks.Example], cfg: train.TrainConfig, batch_size: int,
-                       max_length: int, max_new_tokens: int = 16) -> FinetuneResult:
+def finetune_and_score(
+    name: str,
+    model: nn.Module,
+    tokenizer,
+    train_examples: Sequence[tasks.Example],
+    eval_examples: Sequence[tasks.Example],
+    cfg: train.TrainConfig,
+    batch_size: int,
+    max_length: int,
+    max_new_tokens: int = 16,
+) -> FinetuneResult:
     """Fine-tune `model` (whatever is trainable in it: adapters, or everything) on the task, then score it.
 
     Peak memory covers the training loop only (resident set on CPU, allocator on CUDA), measured after
@@ -226,8 +254,17 @@ def finetune_and_score(name: str, model: nn.Module, tokenizer, train_examples: S
     seconds = [h["seconds"] for h in history[1:]] or [history[0]["seconds"]]
     eval_loss = tasks.answer_loss(model, tokenizer, eval_examples, batch_size, max_length)
     scored = tasks.exact_match(model, tokenizer, eval_examples, max_new_tokens)
-    return FinetuneResult(name, trainable, state, [h["loss"] for h in history], statistics.median(seconds),
-                          peak, eval_loss, scored["accuracy"], scored["predictions"])
+    return FinetuneResult(
+        name,
+        trainable,
+        state,
+        [h["loss"] for h in history],
+        statistics.median(seconds),
+        peak,
+        eval_loss,
+        scored["accuracy"],
+        scored["predictions"],
+    )
 
 
 # ----------------------------------------------------------------------------- PEFT
@@ -246,15 +283,26 @@ def _quiet_peft() -> Iterator[None]:
         raise RuntimeError(f"PEFT failed; its output ends with:\n{log.getvalue()[-3000:]}") from err
 
 
-def apply_peft(model: nn.Module, targets: str | Sequence[str] = ("q_proj", "v_proj"), r: int = 8,
-               alpha: float = 16, dropout: float = 0.0) -> nn.Module:
+def apply_peft(
+    model: nn.Module,
+    targets: str | Sequence[str] = ("q_proj", "v_proj"),
+    r: int = 8,
+    alpha: float = 16,
+    dropout: float = 0.0,
+) -> nn.Module:
     """The same adapters through PEFT (`get_peft_model` with a LoraConfig); targets are checked the same way."""
     resolve_targets(model, targets)
     with _quiet_peft():
         from peft import LoraConfig, get_peft_model
 
-        config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, bias="none", task_type="CAUSAL_LM",
-                            target_modules=targets if targets == ALL_LINEAR else list(targets))
+        config = LoraConfig(
+            r=r,
+            lora_alpha=alpha,
+            lora_dropout=dropout,
+            bias="none",
+            task_type="CAUSAL_LM",
+            target_modules=targets if targets == ALL_LINEAR else list(targets),
+        )
         return get_peft_model(model, config)
 
 
@@ -263,7 +311,7 @@ def _peft_pairs(peft_model: nn.Module, model: nn.Module) -> list[tuple[LoRALinea
     ours = {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
     pairs = []
     for name, module in peft_model.named_modules():
-        if hasattr(module, "lora_A") and isinstance(getattr(module, "lora_A"), nn.ModuleDict):
+        if hasattr(module, "lora_A") and isinstance(module.lora_A, nn.ModuleDict):
             key = name.removeprefix("base_model.model.")
             if key not in ours:
                 raise ValueError(f"PEFT adapts {key}, which has no LoRALinear here")
@@ -292,9 +340,13 @@ def copy_to_peft(model: nn.Module, peft_model: nn.Module) -> None:
 @torch.no_grad()
 def adapter_difference(peft_model: nn.Module, model: nn.Module) -> float:
     """Largest absolute difference between PEFT's adapter weights and ours, layer by layer (0.0: identical)."""
-    return max(max((ours.lora_A - theirs.lora_A["default"].weight).abs().max().item(),
-                   (ours.lora_B - theirs.lora_B["default"].weight).abs().max().item())
-               for ours, theirs in _peft_pairs(peft_model, model))
+    return max(
+        max(
+            (ours.lora_A - theirs.lora_A["default"].weight).abs().max().item(),
+            (ours.lora_B - theirs.lora_B["default"].weight).abs().max().item(),
+        )
+        for ours, theirs in _peft_pairs(peft_model, model)
+    )
 
 
 def save_adapter(peft_model: nn.Module, dest: str | Path) -> Path:

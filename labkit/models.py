@@ -53,9 +53,7 @@ def load_model(
 
     source = resolve_model(name)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, trust_remote_code=trust_remote_code
-        )
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code)
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     except OSError as err:
         raise OSError(
@@ -124,9 +122,16 @@ def tiny_llama(
 
 def lab_llama(vocab_size: int, profile, seed: int = 0) -> nn.Module:
     """The small Llama that labs 02-03 train from scratch: SmolLM2's shape, sized by the run profile."""
-    return tiny_llama(vocab_size=vocab_size, hidden_size=profile.lm_hidden, num_layers=profile.lm_layers,
-                      num_heads=4, num_kv_heads=2, intermediate_size=3 * profile.lm_hidden,
-                      max_position_embeddings=profile.block_size, seed=seed)
+    return tiny_llama(
+        vocab_size=vocab_size,
+        hidden_size=profile.lm_hidden,
+        num_layers=profile.lm_layers,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=3 * profile.lm_hidden,
+        max_position_embeddings=profile.block_size,
+        seed=seed,
+    )
 
 
 def tiny_gpt2(

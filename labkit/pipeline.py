@@ -4,7 +4,8 @@ record when every stage computes which micro-batch, and measure the bubble again
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -61,8 +62,10 @@ class LlamaStage(nn.Module):
     def __init__(self, model: nn.Module, stage: int, num_stages: int):
         super().__init__()
         if getattr(model.config, "tie_word_embeddings", False) and num_stages > 1:
-            raise ValueError("tied input/output embeddings would live on two stages; use an untied model "
-                             "(real pipelines all-reduce the tied gradient between first and last stage)")
+            raise ValueError(
+                "tied input/output embeddings would live on two stages; use an untied model "
+                "(real pipelines all-reduce the tied gradient between first and last stage)"
+            )
         start, end = layer_ranges(model.config.num_hidden_layers, num_stages)[stage]
         self.first, self.last = stage == 0, stage == num_stages - 1
         self.embed = model.model.embed_tokens if self.first else None
@@ -108,9 +111,11 @@ class StageTimeline:
         def run(chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             start = self._mark()
             out = method(chunk_id, *args, **kwargs)
-            self._raw.append({"rank": self.rank, "kind": kind, "microbatch": chunk_id, "start": start,
-                              "end": self._mark()})
+            self._raw.append(
+                {"rank": self.rank, "kind": kind, "microbatch": chunk_id, "start": start, "end": self._mark()}
+            )
             return out
+
         return run
 
     def start(self) -> None:
@@ -128,8 +133,10 @@ class StageTimeline:
             raise RuntimeError("call start() before the step, so CUDA times have an origin")
         torch.cuda.synchronize()
         t0, ref = self._origin
-        return [{**e, "start": t0 + ref.elapsed_time(e["start"]) / 1e3, "end": t0 + ref.elapsed_time(e["end"]) / 1e3}
-                for e in self._raw]
+        return [
+            {**e, "start": t0 + ref.elapsed_time(e["start"]) / 1e3, "end": t0 + ref.elapsed_time(e["end"]) / 1e3}
+            for e in self._raw
+        ]
 
 
 def bubble_fraction(events: list[dict[str, Any]]) -> float:
@@ -144,8 +151,10 @@ def bubble_fraction(events: list[dict[str, Any]]) -> float:
 
 def max_in_flight(events: list[dict[str, Any]], rank: int) -> int:
     """Most micro-batches whose forward had finished and backward had not, on one rank: what it must keep."""
-    marks = sorted([(e["end"], 1) for e in events if e["rank"] == rank and e["kind"] == "F"]
-                   + [(e["end"], -1) for e in events if e["rank"] == rank and e["kind"] == "B"])
+    marks = sorted(
+        [(e["end"], 1) for e in events if e["rank"] == rank and e["kind"] == "F"]
+        + [(e["end"], -1) for e in events if e["rank"] == rank and e["kind"] == "B"]
+    )
     held = peak = 0
     for _, change in marks:
         held += change
@@ -181,8 +190,15 @@ def plot_timeline(events: list[dict[str, Any]], title: str = "Pipeline timeline"
         color = "C0" if e["kind"] == "F" else "C1"
         left, width = (e["start"] - t0) * 1e3, (e["end"] - e["start"]) * 1e3
         ax.barh(e["rank"], width, left=left, color=color, edgecolor="white")
-        ax.text(left + width / 2, e["rank"], f"{e['kind']}{e['microbatch']}", ha="center", va="center",
-                fontsize=7, color="white")
+        ax.text(
+            left + width / 2,
+            e["rank"],
+            f"{e['kind']}{e['microbatch']}",
+            ha="center",
+            va="center",
+            fontsize=7,
+            color="white",
+        )
     ax.set_yticks(ranks, [f"stage {r}" for r in ranks])
     ax.invert_yaxis()
     ax.set(xlabel="milliseconds", title=title)

@@ -44,8 +44,7 @@ def plot_matmul_sweep(results: list[dict[str, Any]], title: str = "Matmul throug
     for i, dtype in enumerate(dict.fromkeys(r["dtype"] for r in results)):
         rows = sorted((r for r in results if r["dtype"] == dtype), key=lambda r: r["size"])
         color = f"C{i}"
-        ax.plot([r["size"] for r in rows], [r["flops_per_s"] / 1e12 for r in rows], "o-",
-                color=color, label=dtype)
+        ax.plot([r["size"] for r in rows], [r["flops_per_s"] / 1e12 for r in rows], "o-", color=color, label=dtype)
         peak = rows[0].get("peak_flops_per_s")
         if peak:
             ax.axhline(peak / 1e12, color=color, ls="--", lw=1, label=f"{dtype} peak (data sheet)")
@@ -56,8 +55,9 @@ def plot_matmul_sweep(results: list[dict[str, Any]], title: str = "Matmul throug
     return fig
 
 
-def plot_training(runs: dict[str, list[dict[str, Any]]], keys: tuple[str, ...] = ("loss", "lr", "grad_norm"),
-                  title: str = "Training"):
+def plot_training(
+    runs: dict[str, list[dict[str, Any]]], keys: tuple[str, ...] = ("loss", "lr", "grad_norm"), title: str = "Training"
+):
     """One panel per metric (fit()'s per-step records), one line per run, against the step."""
     import matplotlib.pyplot as plt
 

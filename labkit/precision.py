@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
@@ -74,7 +74,10 @@ def cuda_problem(device: str | torch.device) -> str | None:
         return None
     if torch.version.cuda is None:
         return f"CUDA was asked for, but this torch ({torch.__version__}) is a CPU-only build"
-    return f"CUDA was asked for, but torch (built for CUDA {torch.version.cuda}) sees no GPU: check the driver and CUDA_VISIBLE_DEVICES"
+    return (
+        f"CUDA was asked for, but torch (built for CUDA {torch.version.cuda}) sees no GPU: "
+        "check the driver and CUDA_VISIBLE_DEVICES"
+    )
 
 
 def native_bf16(device: str | torch.device) -> bool:
@@ -92,8 +95,14 @@ def kept_fraction(values: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) 
     return ((nonzero * scale).to(dtype) != 0).float().mean().item()
 
 
-def update_loss_scale(scale: float, good_steps: int, found_inf: bool, growth_factor: float = 2.0,
-                      backoff_factor: float = 0.5, growth_interval: int = 2000) -> tuple[float, int]:
+def update_loss_scale(
+    scale: float,
+    good_steps: int,
+    found_inf: bool,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+) -> tuple[float, int]:
     """Dynamic loss scaling, one step: (new scale, new count of good steps), as torch's GradScaler does it.
 
     An overflow (inf/NaN gradients: the step is skipped) multiplies the scale by `backoff_factor` and
@@ -115,13 +124,17 @@ def policy(mode: str, device: str | torch.device) -> Policy:
     if problem := cuda_problem(dev):
         raise ValueError(f"{problem}; use device 'cpu'")
     if mode == "fp16" and not cuda:
-        raise ValueError("fp16 mixed precision with loss scaling is a GPU mode; on a CPU use 'bf16' (same range as fp32, "
-                         "no loss scaler needed) or 'fp32'")
+        raise ValueError(
+            "fp16 mixed precision with loss scaling is a GPU mode; on a CPU use 'bf16' (same range as fp32, "
+            "no loss scaler needed) or 'fp32'"
+        )
     if mode == "tf32" and not (cuda and torch.cuda.get_device_capability(dev)[0] >= 8):
         raise ValueError("TF32 needs an NVIDIA GPU of compute capability 8.0 (Ampere) or newer; use 'fp32' here")
     if mode == "bf16" and cuda and not native_bf16(dev):
-        raise ValueError("this GPU has no native bf16 (compute capability < 8.0: torch would emulate it); "
-                         "use 'fp16' (with loss scaling) or 'fp32'")
+        raise ValueError(
+            "this GPU has no native bf16 (compute capability < 8.0: torch would emulate it); "
+            "use 'fp16' (with loss scaling) or 'fp32'"
+        )
     return Policy(
         mode=mode,
         device_type=dev.type,

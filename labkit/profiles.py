@@ -177,9 +177,7 @@ def get_profile(name: str | None = None) -> Profile:
     key = chosen.strip().lower()
     if key not in PROFILES:
         source = "argument" if name else f"${ENV_VAR}"
-        raise ValueError(
-            f"unknown profile {chosen!r} (from {source}); choose one of: {', '.join(PROFILES)}"
-        )
+        raise ValueError(f"unknown profile {chosen!r} (from {source}); choose one of: {', '.join(PROFILES)}")
     return PROFILES[key]
 
 

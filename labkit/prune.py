@@ -17,9 +17,10 @@ from __future__ import annotations
 import contextlib
 import re
 import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save
@@ -52,16 +53,20 @@ def prunable_weights(
         if missing:
             sample = ", ".join(n for n, m in named.items() if isinstance(m, nn.Linear))
             raise ValueError(f"no module named {missing[:3]} in the model; prunable ones: {sample[:300]}...")
-        wrong = [f"{m} ({type(named[m]).__name__})" for m in modules
-                 if not isinstance(named[m], (nn.Linear, nn.Embedding))]
+        wrong = [
+            f"{m} ({type(named[m]).__name__})" for m in modules if not isinstance(named[m], (nn.Linear, nn.Embedding))
+        ]
         if wrong:
             raise TypeError(f"only nn.Linear and nn.Embedding weights can be magnitude-pruned, not {wrong[:3]}")
         chosen = [(m, named[m]) for m in modules]
     else:
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        chosen = [(n, m) for n, m in named.items()
-                  if (isinstance(m, nn.Linear) and (m is not head or include_lm_head))
-                  or (isinstance(m, nn.Embedding) and include_embeddings)]
+        chosen = [
+            (n, m)
+            for n, m in named.items()
+            if (isinstance(m, nn.Linear) and (m is not head or include_lm_head))
+            or (isinstance(m, nn.Embedding) and include_embeddings)
+        ]
     weights: dict[str, nn.Parameter] = {}
     seen: set[int] = set()
     for name, module in chosen:
@@ -102,13 +107,17 @@ def magnitude_masks(
         raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
     with torch.no_grad():
         if scope == "layer":
-            return {name: _drop_smallest(w.abs().flatten(), round(sparsity * w.numel())).view_as(w)
-                    for name, w in weights.items()}
+            return {
+                name: _drop_smallest(w.abs().flatten(), round(sparsity * w.numel())).view_as(w)
+                for name, w in weights.items()
+            }
         scores = torch.cat([w.detach().abs().flatten() for w in weights.values()])
         keep = _drop_smallest(scores, round(sparsity * scores.numel()))
         del scores
-        return {name: part.view_as(w) for (name, w), part in
-                zip(weights.items(), keep.split([w.numel() for w in weights.values()]))}
+        return {
+            name: part.view_as(w)
+            for (name, w), part in zip(weights.items(), keep.split([w.numel() for w in weights.values()]))
+        }
 
 
 def nm_masks(weights: dict[str, torch.Tensor], n: int = 2, m: int = 4) -> dict[str, torch.Tensor]:
@@ -163,8 +172,9 @@ def apply_masks(model: nn.Module, masks: dict[str, torch.Tensor], *, permanent: 
         if name not in named or not hasattr(named[name], "weight"):
             raise ValueError(f"mask for {name!r}, but the model has no module with a weight of that name")
         if tuple(mask.shape) != tuple(named[name].weight.shape):
-            raise ValueError(f"mask for {name!r} has shape {tuple(mask.shape)}, "
-                             f"the weight {tuple(named[name].weight.shape)}")
+            raise ValueError(
+                f"mask for {name!r} has shape {tuple(mask.shape)}, the weight {tuple(named[name].weight.shape)}"
+            )
     pruning = Pruning({})
     with torch.no_grad():
         for name, mask in masks.items():
@@ -181,8 +191,9 @@ def magnitude_prune(
     model: nn.Module, sparsity: float, *, scope: str = "layer", permanent: bool = False, **selection: Any
 ) -> Pruning:
     """Zero the smallest-magnitude weights per layer or globally (`selection`: see prunable_weights)."""
-    return apply_masks(model, magnitude_masks(prunable_weights(model, **selection), sparsity, scope=scope),
-                       permanent=permanent)
+    return apply_masks(
+        model, magnitude_masks(prunable_weights(model, **selection), sparsity, scope=scope), permanent=permanent
+    )
 
 
 def nm_prune(model: nn.Module, n: int = 2, m: int = 4, *, permanent: bool = False, **selection: Any) -> Pruning:
@@ -192,8 +203,10 @@ def nm_prune(model: nn.Module, n: int = 2, m: int = 4, *, permanent: bool = Fals
 
 def save_masks(masks: dict[str, torch.Tensor], path: str | Path) -> Path:
     """Write keep-masks as safetensors (uint8), atomically."""
-    data = save({name: mask.to(torch.uint8).contiguous().cpu() for name, mask in masks.items()},
-                metadata={"format": "labkit.prune keep-masks"})
+    data = save(
+        {name: mask.to(torch.uint8).contiguous().cpu() for name, mask in masks.items()},
+        metadata={"format": "labkit.prune keep-masks"},
+    )
     return assets.atomic_write_bytes(path, data)
 
 
@@ -224,8 +237,10 @@ class LayerSparsity:
 
 def sparsity_report(model: nn.Module, **selection: Any) -> list[LayerSparsity]:
     """Zeros actually present in each prunable weight (not what a mask says)."""
-    return [LayerSparsity(name, tuple(w.shape), int((w == 0).sum()))
-            for name, w in prunable_weights(model, **selection).items()]
+    return [
+        LayerSparsity(name, tuple(w.shape), int((w == 0).sum()))
+        for name, w in prunable_weights(model, **selection).items()
+    ]
 
 
 def overall_sparsity(report: list[LayerSparsity]) -> float:
@@ -249,7 +264,10 @@ def groups_by(names: Iterable[str], by: str) -> dict[str, list[str]]:
 
 
 def sensitivity(
-    model: nn.Module, score: Callable[[nn.Module], float], groups: dict[str, list[str]], sparsity: float,
+    model: nn.Module,
+    score: Callable[[nn.Module], float],
+    groups: dict[str, list[str]],
+    sparsity: float,
 ) -> dict[str, float]:
     """score(model) after pruning each group alone to `sparsity` per layer; the weights are restored after each."""
     _check_sparsity(sparsity)
@@ -272,8 +290,14 @@ def sensitivity(
 
 
 def prune_and_recover(
-    model: nn.Module, loader: Iterable, sparsities: Sequence[float], train: TrainConfig, *,
-    score: Callable[[nn.Module], float], scope: str = "global", **selection: Any,
+    model: nn.Module,
+    loader: Iterable,
+    sparsities: Sequence[float],
+    train: TrainConfig,
+    *,
+    score: Callable[[nn.Module], float],
+    scope: str = "global",
+    **selection: Any,
 ) -> list[dict[str, Any]]:
     """Gradual magnitude pruning: for each sparsity in turn, prune, score, fine-tune with the masks held, score.
 
@@ -297,8 +321,15 @@ def prune_and_recover(
         finally:
             pruning.remove()
         model.eval()
-        rounds.append({"target": s, "sparsity": overall_sparsity(sparsity_report(model, **selection)),
-                       "pruned": pruned, "recovered": score(model), "history": history})
+        rounds.append(
+            {
+                "target": s,
+                "sparsity": overall_sparsity(sparsity_report(model, **selection)),
+                "pruned": pruned,
+                "recovered": score(model),
+                "history": history,
+            }
+        )
     return rounds
 
 
@@ -308,10 +339,15 @@ def prune_and_recover(
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     layers = getattr(getattr(model, "model", None), "layers", None)
     config = getattr(model, "config", None)
-    if layers is None or not all(hasattr(config, k) for k in ("intermediate_size", "num_attention_heads")) or \
-            not all(hasattr(layer, "mlp") and hasattr(layer.mlp, "gate_proj") for layer in layers):
-        raise TypeError(f"structured pruning expects a Llama-style transformers model (model.layers[i].mlp."
-                        f"gate_proj/up_proj/down_proj, self_attn.q/k/v/o_proj), got {type(model).__name__}")
+    if (
+        layers is None
+        or not all(hasattr(config, k) for k in ("intermediate_size", "num_attention_heads"))
+        or not all(hasattr(layer, "mlp") and hasattr(layer.mlp, "gate_proj") for layer in layers)
+    ):
+        raise TypeError(
+            f"structured pruning expects a Llama-style transformers model (model.layers[i].mlp."
+            f"gate_proj/up_proj/down_proj, self_attn.q/k/v/o_proj), got {type(model).__name__}"
+        )
     return layers
 
 
@@ -321,10 +357,15 @@ def model_shapes(model: nn.Module) -> dict[str, int]:
 
     layers = _decoder_layers(model)
     attn = layers[0].self_attn
-    return {"layers": len(layers), "hidden": model.config.hidden_size,
-            "mlp_channels": layers[0].mlp.gate_proj.out_features,
-            "heads": attn.q_proj.out_features // attn.head_dim, "kv_heads": attn.k_proj.out_features // attn.head_dim,
-            "head_dim": attn.head_dim, "params": count_parameters(model)}
+    return {
+        "layers": len(layers),
+        "hidden": model.config.hidden_size,
+        "mlp_channels": layers[0].mlp.gate_proj.out_features,
+        "heads": attn.q_proj.out_features // attn.head_dim,
+        "kv_heads": attn.k_proj.out_features // attn.head_dim,
+        "head_dim": attn.head_dim,
+        "params": count_parameters(model),
+    }
 
 
 IMPORTANCES = ("magnitude", "taylor")
@@ -358,8 +399,12 @@ def _importance_grads(model: nn.Module, importance: str, calibration: Sequence[t
 
 
 def prune_mlp_channels(
-    model: nn.Module, ratio: float, *, importance: str = "magnitude",
-    calibration: Sequence[torch.Tensor] | None = None, round_to: int = 8,
+    model: nn.Module,
+    ratio: float,
+    *,
+    importance: str = "magnitude",
+    calibration: Sequence[torch.Tensor] | None = None,
+    round_to: int = 8,
 ) -> dict[str, int]:
     """Remove the same share of MLP channels from every decoder layer, least important first (torch-pruning).
 
@@ -375,9 +420,17 @@ def prune_mlp_channels(
     layers = _decoder_layers(model)
     if ratio == 0:
         return model_shapes(model)
-    ignored = [model.get_output_embeddings()] + [m for layer in layers for m in (
-        layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
-        layer.mlp.down_proj)]
+    ignored = [model.get_output_embeddings()] + [
+        m
+        for layer in layers
+        for m in (
+            layer.self_attn.q_proj,
+            layer.self_attn.k_proj,
+            layer.self_attn.v_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.down_proj,
+        )
+    ]
     device = next(model.parameters()).device
     example = torch.randint(0, model.config.vocab_size, (1, 8), device=device)
     scorer = tp.importance.MagnitudeImportance(p=2) if importance == "magnitude" else tp.importance.TaylorImportance()
@@ -385,8 +438,13 @@ def prune_mlp_channels(
         # torch-pruning lists the norm gains as "unwrapped" parameters; the ignored layers keep them whole
         warnings.filterwarnings("ignore", message="Unwrapped parameters detected")
         pruner = tp.pruner.MetaPruner(
-            model, example, importance=scorer, pruning_ratio=ratio,
-            ignored_layers=ignored, round_to=round_to, output_transform=lambda out: out.logits,
+            model,
+            example,
+            importance=scorer,
+            pruning_ratio=ratio,
+            ignored_layers=ignored,
+            round_to=round_to,
+            output_transform=lambda out: out.logits,
         )
         for group in pruner.step(interactive=True):
             group.prune()
@@ -403,8 +461,9 @@ def prune_mlp_channels(
 def _sliced_linear(linear: nn.Linear, index: torch.Tensor, dim: int) -> nn.Linear:
     """A copy of `linear` keeping only the output rows (dim 0) or input columns (dim 1) in `index`."""
     weight = linear.weight.detach().index_select(dim, index)
-    out = nn.Linear(weight.shape[1], weight.shape[0], bias=linear.bias is not None,
-                    device=weight.device, dtype=weight.dtype)
+    out = nn.Linear(
+        weight.shape[1], weight.shape[0], bias=linear.bias is not None, device=weight.device, dtype=weight.dtype
+    )
     with torch.no_grad():
         out.weight.copy_(weight)
         if linear.bias is not None:
@@ -414,6 +473,7 @@ def _sliced_linear(linear: nn.Linear, index: torch.Tensor, dim: int) -> nn.Linea
 
 def _head_scores(attn: nn.Module, n_heads: int, d: int, importance: str) -> torch.Tensor:
     """One importance per query head, from its q_proj rows and o_proj columns."""
+
     def per_weight(w: torch.Tensor) -> torch.Tensor:
         return w.detach().pow(2) if importance == "magnitude" else (w.detach() * w.grad).abs()
 
@@ -423,7 +483,11 @@ def _head_scores(attn: nn.Module, n_heads: int, d: int, importance: str) -> torc
 
 
 def prune_attention_heads(
-    model: nn.Module, heads: int, *, importance: str = "magnitude", calibration: Sequence[torch.Tensor] | None = None,
+    model: nn.Module,
+    heads: int,
+    *,
+    importance: str = "magnitude",
+    calibration: Sequence[torch.Tensor] | None = None,
 ) -> dict[str, int]:
     """Remove `heads` query heads from every layer, the same number from each key/value group, smallest first.
 
@@ -442,7 +506,8 @@ def prune_attention_heads(
         raise ValueError(
             f"cannot remove {heads!r} of {n_heads} query heads: they share {n_groups} key/value heads, "
             f"{per_group} query heads each, so remove a multiple of {n_groups} (at most "
-            f"{n_heads - n_groups}, which leaves one query head per group)")
+            f"{n_heads - n_groups}, which leaves one query head per group)"
+        )
     _check_importance(importance, calibration)
     if heads == 0:
         return model_shapes(model)
@@ -497,8 +562,10 @@ def to_semi_structured(model: nn.Module, **selection: Any) -> int:
     weights = prunable_weights(model, **selection)
     wrong = [n for n, w in weights.items() if w.dtype not in (torch.float16, torch.bfloat16) or not is_nm_sparse(w)]
     if wrong:
-        raise ValueError(f"{len(wrong)} weights are not 2:4-sparse fp16/bf16 (e.g. {wrong[:2]}): "
-                         "cast the model with .half() and run nm_prune(model, 2, 4) first")
+        raise ValueError(
+            f"{len(wrong)} weights are not 2:4-sparse fp16/bf16 (e.g. {wrong[:2]}): "
+            "cast the model with .half() and run nm_prune(model, 2, 4) first"
+        )
     modules = dict(model.named_modules())
     for name, w in weights.items():
         modules[name].weight = nn.Parameter(_semi_structured(w.detach()), requires_grad=False)
@@ -506,8 +573,14 @@ def to_semi_structured(model: nn.Module, **selection: Any) -> int:
 
 
 def semi_structured_speedup(
-    out_features: int, in_features: int, tokens: int, *, dtype: torch.dtype = torch.float16,
-    device: str | torch.device = "cuda", warmup: int = 5, repeats: int = 20,
+    out_features: int,
+    in_features: int,
+    tokens: int,
+    *,
+    dtype: torch.dtype = torch.float16,
+    device: str | torch.device = "cuda",
+    warmup: int = 5,
+    repeats: int = 20,
 ) -> dict[str, float]:
     """Time one 2:4-pruned linear layer dense and as a torch.sparse semi-structured tensor (medians)."""
     reason = semi_structured_support(device)
@@ -519,9 +592,19 @@ def semi_structured_speedup(
     x = torch.randn(tokens, in_features, device=device, dtype=dtype)
     sparse = _semi_structured(weight)
     error = (torch.nn.functional.linear(x, sparse) - torch.nn.functional.linear(x, weight)).abs().max().item()
-    t = bench.time_interleaved({"dense": lambda: torch.nn.functional.linear(x, weight),
-                                "sparse": lambda: torch.nn.functional.linear(x, sparse)},
-                               warmup=warmup, repeats=repeats, device=device)
-    return {"dense_s": t["dense"].median, "sparse_s": t["sparse"].median,
-            "speedup": t["dense"].median / t["sparse"].median, "max_abs_error": error,
-            "backend": semi_structured_backend()}
+    t = bench.time_interleaved(
+        {
+            "dense": lambda: torch.nn.functional.linear(x, weight),
+            "sparse": lambda: torch.nn.functional.linear(x, sparse),
+        },
+        warmup=warmup,
+        repeats=repeats,
+        device=device,
+    )
+    return {
+        "dense_s": t["dense"].median,
+        "sparse_s": t["sparse"].median,
+        "speedup": t["dense"].median / t["sparse"].median,
+        "max_abs_error": error,
+        "backend": semi_structured_backend(),
+    }

@@ -26,9 +26,10 @@ import math
 import os
 import time
 import warnings
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -109,10 +110,15 @@ class QuantizedWeight:
         zeros = self.zeros.float()[self.g_idx.long()].T
         return (scales * (self.codes.float() - zeros)).to(dtype)
 
-    def rows(self, start: int, stop: int) -> "QuantizedWeight":
+    def rows(self, start: int, stop: int) -> QuantizedWeight:
         """Output rows start:stop with their scales and zeros, as tensors of their own (not views)."""
-        return QuantizedWeight(self.codes[start:stop].clone(), self.scales[:, start:stop].clone(),
-                               self.zeros[:, start:stop].clone(), self.g_idx.clone(), self.bits)
+        return QuantizedWeight(
+            self.codes[start:stop].clone(),
+            self.scales[:, start:stop].clone(),
+            self.zeros[:, start:stop].clone(),
+            self.g_idx.clone(),
+            self.bits,
+        )
 
 
 def grid(w: torch.Tensor, cfg: QuantConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,8 +171,9 @@ def quantize_rtn(weight: torch.Tensor, cfg: QuantConfig) -> QuantizedWeight:
         scales.append(scale)
         zeros.append(zero)
     g_idx = torch.arange(in_features) // width
-    return QuantizedWeight(codes.to(torch.uint8), torch.stack(scales), torch.stack(zeros).to(torch.int32),
-                           g_idx.to(torch.int32), cfg.bits)
+    return QuantizedWeight(
+        codes.to(torch.uint8), torch.stack(scales), torch.stack(zeros).to(torch.int32), g_idx.to(torch.int32), cfg.bits
+    )
 
 
 def hessian_error(weight: torch.Tensor, quantized: torch.Tensor, hessian: torch.Tensor) -> float:
@@ -198,14 +205,15 @@ def _inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:
     return torch.linalg.cholesky(torch.cholesky_inverse(factor), upper=True).to(hessian.dtype)
 
 
-def quantize_column(block: torch.Tensor, i: int, u: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                    maxq: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_column(
+    block: torch.Tensor, i: int, u: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """GPTQ's inner step: round column i of `block` to the grid, then subtract its error, divided by the
     pivot u[i, i] and weighted by row i of the inverse-Hessian factor, from the columns after it (in place).
     Returns the codes of column i and the scaled error (kept for the lazy update of later blocks)."""
     q = torch.clamp(torch.round(block[:, i] / scale) + zero, 0, maxq)
     err = (block[:, i] - scale * (q - zero)) / u[i, i]
-    block[:, i + 1:].addr_(err, u[i, i + 1:], alpha=-1)
+    block[:, i + 1 :].addr_(err, u[i, i + 1 :], alpha=-1)
     return q, err
 
 
@@ -242,7 +250,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: QuantConfig)
         for i in range(b1 - b0):
             col = b0 + i
             if col % width == 0:  # a new group starts: fit its grid to the columns as updated so far
-                scale, zero = grid(wb[:, i:i + width] if cfg.group_size != -1 else w, cfg)
+                scale, zero = grid(wb[:, i : i + width] if cfg.group_size != -1 else w, cfg)
                 scales.append(scale)
                 zeros.append(zero)
             codes[:, col], errors[:, i] = quantize_column(wb, i, ub, scale, zero, cfg.maxq)
@@ -250,8 +258,13 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: QuantConfig)
 
     inverse = torch.argsort(perm).cpu()
     g_idx = (torch.arange(in_features) // width)[inverse]
-    return QuantizedWeight(codes.cpu()[:, inverse].to(torch.uint8), torch.stack(scales).cpu(),
-                           torch.stack(zeros).cpu().to(torch.int32), g_idx.to(torch.int32), cfg.bits)
+    return QuantizedWeight(
+        codes.cpu()[:, inverse].to(torch.uint8),
+        torch.stack(scales).cpu(),
+        torch.stack(zeros).cpu().to(torch.int32),
+        g_idx.to(torch.int32),
+        cfg.bits,
+    )
 
 
 # ----------------------------------------------------------------------------- the whole model
@@ -265,12 +278,14 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
             obj = getattr(obj, part, None)
         if isinstance(obj, nn.ModuleList) and len(obj) > 0:
             return obj
-    raise ValueError(f"cannot find the decoder blocks of {type(model).__name__} (looked for model.layers, "
-                     "model.decoder.layers, gpt_neox.layers, transformer.h)")
+    raise ValueError(
+        f"cannot find the decoder blocks of {type(model).__name__} (looked for model.layers, "
+        "model.decoder.layers, gpt_neox.layers, transformer.h)"
+    )
 
 
 def calibration_blocks(tokenizer, texts: Sequence[str], n_blocks: int, block_size: int, seed: int = 0) -> torch.Tensor:
-    """`n_blocks` random non-overlapping windows of `block_size` tokens from the EOS-joined texts: [n_blocks, block_size]."""
+    """`n_blocks` random non-overlapping windows of `block_size` tokens from the EOS-joined texts: [n, block_size]."""
     from labkit.evaluate import token_stream
     from labkit.shards import pack_blocks
 
@@ -278,8 +293,10 @@ def calibration_blocks(tokenizer, texts: Sequence[str], n_blocks: int, block_siz
         raise ValueError(f"need n_blocks >= 1 and block_size >= 2, got {n_blocks}, {block_size}")
     blocks = pack_blocks(np.asarray(token_stream(tokenizer, list(texts))), block_size)
     if len(blocks) < n_blocks:
-        raise ValueError(f"the texts hold {len(blocks)} blocks of {block_size} tokens, fewer than the "
-                         f"{n_blocks} asked for: pass more texts")
+        raise ValueError(
+            f"the texts hold {len(blocks)} blocks of {block_size} tokens, fewer than the "
+            f"{n_blocks} asked for: pass more texts"
+        )
     chosen = np.random.default_rng(seed).choice(len(blocks), size=n_blocks, replace=False)
     return torch.from_numpy(blocks[np.sort(chosen)].copy())
 
@@ -293,8 +310,9 @@ def _block_output(out: Any) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _first_block_inputs(model: nn.Module, layers: nn.ModuleList, calibration: torch.Tensor,
-                        batch_size: int) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
+def _first_block_inputs(
+    model: nn.Module, layers: nn.ModuleList, calibration: torch.Tensor, batch_size: int
+) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
     """Hidden states and keyword arguments (masks, positions, rotary tables) entering block 0, per batch."""
     inputs, kwargs_list = [], []
 
@@ -326,8 +344,11 @@ def _forward_until_stopped(model: nn.Module, calibration: torch.Tensor, batch_si
 def _sequential_groups(block: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> list[list[str]]:
     """The block's linear layers in execution order, grouped by shared input (q/k/v; o; gate/up; down)."""
     seen: list[tuple[str, torch.Tensor]] = []
-    hooks = [m.register_forward_hook(lambda m, a, o, name=name: seen.append((name, a[0])))
-             for name, m in block.named_modules() if isinstance(m, nn.Linear)]
+    hooks = [
+        m.register_forward_hook(lambda m, a, o, name=name: seen.append((name, a[0])))
+        for name, m in block.named_modules()
+        if isinstance(m, nn.Linear)
+    ]
     try:
         block(hidden, **kwargs)
     finally:
@@ -351,8 +372,7 @@ class _HessianHook:
     """
 
     def __init__(self, module: nn.Linear) -> None:
-        self.sum = torch.zeros(module.in_features, module.in_features, device=module.weight.device,
-                               dtype=torch.float64)
+        self.sum = torch.zeros(module.in_features, module.in_features, device=module.weight.device, dtype=torch.float64)
         self.count = 0
         self.handle = module.register_forward_pre_hook(self)
 
@@ -368,8 +388,9 @@ class _HessianHook:
 
 
 @torch.no_grad()
-def _input_hessian(block: nn.Module, module: nn.Linear, inputs: list[torch.Tensor],
-                   kwargs_list: list[dict[str, Any]]) -> tuple[torch.Tensor, int]:
+def _input_hessian(
+    block: nn.Module, module: nn.Linear, inputs: list[torch.Tensor], kwargs_list: list[dict[str, Any]]
+) -> tuple[torch.Tensor, int]:
     """H = 2 X Xᵀ / n over every calibration token entering `module`; forwards stop right after it."""
     hook = _HessianHook(module)
     try:
@@ -384,8 +405,7 @@ def _input_hessian(block: nn.Module, module: nn.Linear, inputs: list[torch.Tenso
 
 
 @torch.no_grad()
-def input_hessian(model: nn.Module, module_name: str, calibration: torch.Tensor,
-                  batch_size: int = 8) -> torch.Tensor:
+def input_hessian(model: nn.Module, module_name: str, calibration: torch.Tensor, batch_size: int = 8) -> torch.Tensor:
     """H = 2 X Xᵀ / n of the inputs X that one linear layer of the (unquantized) model sees on `calibration`."""
     module = dict(model.named_modules()).get(module_name)
     if not isinstance(module, nn.Linear):
@@ -451,24 +471,33 @@ def quantize_model(
     layers = decoder_layers(model)
     linears = [m for block in layers for m in block.modules() if isinstance(m, nn.Linear)]
     if not linears:
-        raise ValueError(f"no nn.Linear inside the decoder blocks of {type(model).__name__} "
-                         "(GPT-2's Conv1D layers are not supported)")
+        raise ValueError(
+            f"no nn.Linear inside the decoder blocks of {type(model).__name__} "
+            "(GPT-2's Conv1D layers are not supported)"
+        )
     for m in linears:
         cfg.width(m.in_features)  # fail before any work if a group size does not fit
     tokens = 0
     if method == "gptq":
         if not isinstance(calibration, torch.Tensor) or calibration.dim() != 2 or calibration.dtype != torch.long:
-            raise ValueError("GPTQ needs calibration token ids as a [n_blocks, block_size] long tensor "
-                             "(labkit.quant.calibration_blocks makes one)")
+            raise ValueError(
+                "GPTQ needs calibration token ids as a [n_blocks, block_size] long tensor "
+                "(labkit.quant.calibration_blocks makes one)"
+            )
         tokens = calibration.numel()
         widest = max(m.in_features for m in linears)
         if tokens < widest:
-            raise ValueError(f"{tokens} calibration tokens are too few: a layer with {widest} inputs needs at "
-                             f"least {widest} for a full-rank Hessian (GPTQ used 128 x 2048)")
+            raise ValueError(
+                f"{tokens} calibration tokens are too few: a layer with {widest} inputs needs at "
+                f"least {widest} for a full-rank Hessian (GPTQ used 128 x 2048)"
+            )
         if tokens < TOKENS_PER_INPUT * widest:
-            warnings.warn(f"{tokens} calibration tokens for a layer with {widest} inputs: under "
-                          f"{TOKENS_PER_INPUT * widest} the Hessian is nearly singular, GPTQ fits the calibration "
-                          "text and its result changes with the CPU's rounding; pass more tokens", stacklevel=2)
+            warnings.warn(
+                f"{tokens} calibration tokens for a layer with {widest} inputs: under "
+                f"{TOKENS_PER_INPUT * widest} the Hessian is nearly singular, GPTQ fits the calibration "
+                "text and its result changes with the CPU's rounding; pass more tokens",
+                stacklevel=2,
+            )
 
     if not inplace:
         model = copy.deepcopy(model)
@@ -498,8 +527,15 @@ def _layers_prefix(model: nn.Module, layers: nn.ModuleList) -> str:
     return next(name for name, m in model.named_modules() if m is layers)
 
 
-def _store(result: QuantizedModel, name: str, module: nn.Linear, q: QuantizedWeight,
-           hessian: torch.Tensor | None, rtn: QuantizedWeight | None, seconds: float) -> None:
+def _store(
+    result: QuantizedModel,
+    name: str,
+    module: nn.Linear,
+    q: QuantizedWeight,
+    hessian: torch.Tensor | None,
+    rtn: QuantizedWeight | None,
+    seconds: float,
+) -> None:
     """Write the dequantized weight into the module and record the codes and the errors."""
     original = module.weight.detach()
     deq = q.dequantize().to(original.device)
@@ -511,12 +547,22 @@ def _store(result: QuantizedModel, name: str, module: nn.Linear, q: QuantizedWei
 
 
 @torch.no_grad()
-def _gptq_blocks(result: QuantizedModel, layers: nn.ModuleList, prefix: str, calibration: torch.Tensor,
-                 batch_size: int, progress: bool) -> None:
+def _gptq_blocks(
+    result: QuantizedModel,
+    layers: nn.ModuleList,
+    prefix: str,
+    calibration: torch.Tensor,
+    batch_size: int,
+    progress: bool,
+) -> None:
     cfg = result.config
     inputs, kwargs_list = _first_block_inputs(result.model, layers, calibration, batch_size)
-    bar = tqdm(total=sum(1 for b in layers for m in b.modules() if isinstance(m, nn.Linear)),
-               desc="GPTQ", disable=not progress, leave=False)
+    bar = tqdm(
+        total=sum(1 for b in layers for m in b.modules() if isinstance(m, nn.Linear)),
+        desc="GPTQ",
+        disable=not progress,
+        leave=False,
+    )
     try:
         for i, block in enumerate(layers):
             named = dict(block.named_modules())
@@ -531,8 +577,15 @@ def _gptq_blocks(result: QuantizedModel, layers: nn.ModuleList, prefix: str, cal
                 start = 0
                 for name, m in zip(group, modules):
                     rows = m.weight.shape[0]
-                    _store(result, f"{prefix}.{i}.{name}", m, stacked.rows(start, start + rows), hessian,
-                           quantize_rtn(m.weight, cfg), share * rows)
+                    _store(
+                        result,
+                        f"{prefix}.{i}.{name}",
+                        m,
+                        stacked.rows(start, start + rows),
+                        hessian,
+                        quantize_rtn(m.weight, cfg),
+                        share * rows,
+                    )
                     start += rows
                     bar.update()
             inputs = [_block_output(block(x, **kw)) for x, kw in zip(inputs, kwargs_list)]
@@ -551,8 +604,9 @@ class PackedLinear(nn.Module):
     dequantizes them on the fly, in the forward and again in the backward, so the full-precision
     weight exists only one layer at a time: the memory saving QLoRA trains adapters on top of."""
 
-    def __init__(self, q: QuantizedWeight, bias: torch.Tensor | None = None,
-                 dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, q: QuantizedWeight, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
+    ) -> None:
         super().__init__()
         if q.bits not in PACKABLE_BITS:
             raise ValueError(f"PackedLinear packs {PACKABLE_BITS}-bit codes, not {q.bits}-bit ones")
@@ -643,8 +697,10 @@ def bits_per_weight(cfg: QuantConfig, in_features: int, out_features: int) -> fl
 
 def weight_bytes(qm: QuantizedModel) -> dict[str, int]:
     """Bytes of the quantized layers as stored packed, against the same layers in fp16 and fp32."""
-    packed = sum(math.ceil(bits_per_weight(qm.config, q.codes.shape[1], q.codes.shape[0]) * q.codes.numel() / 8)
-                 for q in qm.weights.values())
+    packed = sum(
+        math.ceil(bits_per_weight(qm.config, q.codes.shape[1], q.codes.shape[0]) * q.codes.numel() / 8)
+        for q in qm.weights.values()
+    )
     numel = sum(q.codes.numel() for q in qm.weights.values())
     return {"quantized": packed, "fp16": 2 * numel, "fp32": 4 * numel, "weights": numel}
 
@@ -702,8 +758,9 @@ def unpack_weight(tensors: dict[str, torch.Tensor], bits: int, in_features: int,
     g_idx = tensors.get("g_idx")
     if g_idx is None:
         raise ValueError("the checkpoint layer has no g_idx")
-    return QuantizedWeight(codes.to(torch.uint8).contiguous(), scales, zeros.to(torch.int32).contiguous(),
-                           g_idx.to(torch.int32), bits)
+    return QuantizedWeight(
+        codes.to(torch.uint8).contiguous(), scales, zeros.to(torch.int32).contiguous(), g_idx.to(torch.int32), bits
+    )
 
 
 def quantization_config(qm: QuantizedModel) -> dict[str, Any]:
@@ -723,8 +780,11 @@ def quantization_config(qm: QuantizedModel) -> dict[str, Any]:
         "pack_dtype": "int32",
         "damp_percent": cfg.damp,
         "true_sequential": True,
-        "meta": {"quantizer": [f"labkit:{__version__}"], "method": qm.method,
-                 "calibration_tokens": qm.calibration_tokens},
+        "meta": {
+            "quantizer": [f"labkit:{__version__}"],
+            "method": qm.method,
+            "calibration_tokens": qm.calibration_tokens,
+        },
     }
 
 
@@ -787,8 +847,12 @@ def load_gptq(path: str | Path, dtype: torch.dtype = torch.float32) -> Quantized
 
     path = Path(path)
     qc = read_quantization_config(path)
-    cfg = QuantConfig(bits=int(qc["bits"]), group_size=int(qc.get("group_size", -1)), sym=bool(qc.get("sym", True)),
-                      act_order=bool(qc.get("desc_act", False)))
+    cfg = QuantConfig(
+        bits=int(qc["bits"]),
+        group_size=int(qc.get("group_size", -1)),
+        sym=bool(qc.get("sym", True)),
+        act_order=bool(qc.get("desc_act", False)),
+    )
     v1 = qc.get("checkpoint_format", qc.get("format", "gptq")) == "gptq"
     config = AutoConfig.from_pretrained(path)
     if hasattr(config, "quantization_config"):
@@ -807,12 +871,15 @@ def load_gptq(path: str | Path, dtype: torch.dtype = torch.float32) -> Quantized
         module = modules.get(name)
         if not isinstance(module, nn.Linear):
             raise ValueError(f"checkpoint layer {name} is not a linear layer of {type(model).__name__}")
-        parts = {p: tensors.pop(f"{name}.{p}") for p in ("qweight", "qzeros", "scales", "g_idx") if f"{name}.{p}" in tensors}
+        parts = {
+            p: tensors.pop(f"{name}.{p}") for p in ("qweight", "qzeros", "scales", "g_idx") if f"{name}.{p}" in tensors
+        }
         q = unpack_weight(parts, cfg.bits, module.in_features, v1=v1)
         module.weight.data = q.dequantize(dtype)
         weights[name] = q
-    missing, unexpected = model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v
-                                                 for k, v in tensors.items()}, strict=False)
+    missing, unexpected = model.load_state_dict(
+        {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}, strict=False
+    )
     quantized = {f"{n}.weight" for n in weights}
     missing = [k for k in missing if k not in quantized and not _is_tied(model, k)]
     if missing or unexpected:
@@ -823,8 +890,11 @@ def load_gptq(path: str | Path, dtype: torch.dtype = torch.float32) -> Quantized
 
 def _is_tied(model: nn.Module, key: str) -> bool:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return (getattr(model.config, "tie_word_embeddings", False) and head is not None
-            and key == next(n for n, m in model.named_modules() if m is head) + ".weight")
+    return (
+        getattr(model.config, "tie_word_embeddings", False)
+        and head is not None
+        and key == next(n for n, m in model.named_modules() if m is head) + ".weight"
+    )
 
 
 # ----------------------------------------------------------------------------- the library side (parity)
@@ -853,15 +923,22 @@ def _cap_gptqmodel_workers() -> None:
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(1, min(os.cpu_count() or 1, 4))))
 
 
-def quantize_with_gptqmodel(source: str | Path, calibration: torch.Tensor, cfg: QuantConfig, dest: str | Path,
-                            batch_size: int = 1) -> Path:
-    """Quantize the model in directory `source` (which must hold a tokenizer too) with GPTQModel, same settings as labkit."""
+def quantize_with_gptqmodel(
+    source: str | Path, calibration: torch.Tensor, cfg: QuantConfig, dest: str | Path, batch_size: int = 1
+) -> Path:
+    """Quantize the model in directory `source` (holding a tokenizer too) with GPTQModel, same settings as labkit."""
     _cap_gptqmodel_workers()
     with _quiet("GPTQModel quantization"):
         from gptqmodel import GPTQModel, QuantizeConfig
 
-        qcfg = QuantizeConfig(bits=cfg.bits, group_size=cfg.group_size, sym=cfg.sym, desc_act=cfg.act_order,
-                              damp_percent=cfg.damp, act_group_aware=False)
+        qcfg = QuantizeConfig(
+            bits=cfg.bits,
+            group_size=cfg.group_size,
+            sym=cfg.sym,
+            desc_act=cfg.act_order,
+            damp_percent=cfg.damp,
+            act_group_aware=False,
+        )
         model = GPTQModel.load(str(source), qcfg, device="cuda" if torch.cuda.is_available() else "cpu")
         calib = [{"input_ids": row[None], "attention_mask": torch.ones_like(row)[None]} for row in calibration]
         model.quantize(calib, batch_size=batch_size)
@@ -873,8 +950,10 @@ def quantize_with_gptqmodel(source: str | Path, calibration: torch.Tensor, cfg: 
 def load_with_transformers(path: str | Path, device: str = "cpu") -> nn.Module:
     """Load a GPTQ checkpoint the standard way: AutoModelForCausalLM.from_pretrained (GPTQModel's kernels)."""
     if not gptqmodel_available():
-        raise ImportError("loading GPTQ checkpoints through transformers needs GPTQModel and optimum: "
-                          "pip install 'labkit[gptq]' (see README)")
+        raise ImportError(
+            "loading GPTQ checkpoints through transformers needs GPTQModel and optimum: "
+            "pip install 'labkit[gptq]' (see README)"
+        )
     _cap_gptqmodel_workers()
     from transformers import AutoModelForCausalLM
 
@@ -889,5 +968,10 @@ def gptq_kernels(model: nn.Module) -> dict[str, int]:
 
     from gptqmodel.nn_modules.qlinear import BaseQuantLinear
 
-    return dict(Counter(f"{type(m).__name__} ({m.SUPPORTS_BACKENDS[0].value})"
-                        for m in model.modules() if isinstance(m, BaseQuantLinear)))
+    return dict(
+        Counter(
+            f"{type(m).__name__} ({m.SUPPORTS_BACKENDS[0].value})"
+            for m in model.modules()
+            if isinstance(m, BaseQuantLinear)
+        )
+    )

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -160,7 +160,9 @@ def open_shard(path: str | Path, tokenizer: str | None = None, verify: bool = Tr
         raise ValueError(f"{bin_path} is missing (its sidecar exists)")
     expected = info.tokens * np.dtype(info.dtype).itemsize
     if bin_path.stat().st_size != expected:
-        raise ValueError(f"{bin_path} has {bin_path.stat().st_size} bytes, the sidecar says {expected}: truncated or overwritten")
+        raise ValueError(
+            f"{bin_path} has {bin_path.stat().st_size} bytes, the sidecar says {expected}: truncated or overwritten"
+        )
     if tokenizer is not None and info.tokenizer != tokenizer:
         raise ValueError(f"{bin_path} was made with tokenizer {info.tokenizer}, not {tokenizer}: re-tokenize it")
     if verify and sha256_file(bin_path) != info.sha256:
@@ -168,14 +170,17 @@ def open_shard(path: str | Path, tokenizer: str | None = None, verify: bool = Tr
     return np.memmap(bin_path, dtype=info.dtype, mode="r", shape=(info.tokens,))
 
 
-def write_shards(stream: np.ndarray, directory: str | Path, shard_tokens: int, vocab_size: int,
-                 tokenizer: str, prefix: str = "shard") -> list[Path]:
+def write_shards(
+    stream: np.ndarray, directory: str | Path, shard_tokens: int, vocab_size: int, tokenizer: str, prefix: str = "shard"
+) -> list[Path]:
     """Split a token stream into shards of shard_tokens (the last may be shorter)."""
     if shard_tokens < 2:
         raise ValueError(f"shard_tokens must be at least 2, got {shard_tokens}")
     directory = Path(directory)
-    return [write_shard(directory / f"{prefix}_{i:05d}", stream[start : start + shard_tokens], vocab_size, tokenizer)
-            for i, start in enumerate(range(0, len(stream), shard_tokens))]
+    return [
+        write_shard(directory / f"{prefix}_{i:05d}", stream[start : start + shard_tokens], vocab_size, tokenizer)
+        for i, start in enumerate(range(0, len(stream), shard_tokens))
+    ]
 
 
 def default_dir() -> Path:
@@ -247,9 +252,18 @@ class RankSampler(Sampler[int]):
 
 
 def make_loader(
-    paths: Sequence[str | Path], block_size: int, batch_size: int, *, seed: int = 0, rank: int = 0,
-    world_size: int = 1, num_workers: int = 0, device: str | torch.device | None = None,
-    tokenizer: str | None = None, shuffle: bool = True, prefetch_factor: int = 2,
+    paths: Sequence[str | Path],
+    block_size: int,
+    batch_size: int,
+    *,
+    seed: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    num_workers: int = 0,
+    device: str | torch.device | None = None,
+    tokenizer: str | None = None,
+    shuffle: bool = True,
+    prefetch_factor: int = 2,
 ) -> DataLoader:
     """Batches of (input, target) blocks for one rank: seeded, multi-worker, pinned memory on a GPU."""
     if batch_size < 1 or num_workers < 0:
@@ -259,18 +273,22 @@ def make_loader(
     if num_workers > 0:
         workers.update(prefetch_factor=prefetch_factor, persistent_workers=True)
     return DataLoader(
-        dataset, batch_size=batch_size, sampler=RankSampler(len(dataset), rank, world_size, seed, shuffle),
-        pin_memory=bench.as_device(device).type == "cuda", **workers,
+        dataset,
+        batch_size=batch_size,
+        sampler=RankSampler(len(dataset), rank, world_size, seed, shuffle),
+        pin_memory=bench.as_device(device).type == "cuda",
+        **workers,
     )
 
 
-def loader_throughput(loader: DataLoader, batches: int,
-                      device: str | torch.device | None = None) -> dict[str, float]:
+def loader_throughput(loader: DataLoader, batches: int, device: str | torch.device | None = None) -> dict[str, float]:
     """Tokens per second delivered to the device over `batches` batches of one epoch, after a warm-up."""
     if not 0 < batches < len(loader):  # refuse rather than time fewer batches than asked
-        raise ValueError(f"cannot time {batches} batches: one epoch of this loader holds {len(loader)} and "
-                         f"the first is the warm-up, so at most {len(loader) - 1} can be timed; ask for "
-                         "fewer, or give the loader more data or smaller batches")
+        raise ValueError(
+            f"cannot time {batches} batches: one epoch of this loader holds {len(loader)} and "
+            f"the first is the warm-up, so at most {len(loader) - 1} can be timed; ask for "
+            "fewer, or give the loader more data or smaller batches"
+        )
     dev = bench.as_device(device)
     it = iter(loader)
     next(it)  # start the workers

@@ -64,7 +64,7 @@ def student_notebook(path: str | Path) -> tuple[dict, int]:
 
 
 def build_student(labs: str | Path, dest: str | Path) -> dict[str, int]:
-    """Write the student version of every notebook in `labs` into `dest` (atomically); returns exercises per notebook."""
+    """Write the student version of every notebook in `labs` into `dest` (atomically); returns exercises per lab."""
     import nbformat
 
     notebooks = sorted(Path(labs).glob("*.ipynb"))
@@ -75,6 +75,5 @@ def build_student(labs: str | Path, dest: str | Path) -> dict[str, int]:
         for name, (nb, _) in built.items():
             nbformat.write(nb, str(Path(tmp) / name))
         if (Path(labs) / "scripts").is_dir():  # what labs 04-05 launch under torchrun, unchanged
-            shutil.copytree(Path(labs) / "scripts", Path(tmp) / "scripts",
-                            ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copytree(Path(labs) / "scripts", Path(tmp) / "scripts", ignore=shutil.ignore_patterns("__pycache__"))
     return {name: count for name, (_, count) in built.items()}

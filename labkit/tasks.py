@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch import nn
@@ -40,8 +40,9 @@ def title_examples(split: str = "train", limit: int | None = None, max_chars: in
 def _prompt_ids(tokenizer, prompt: str) -> list[int]:
     """The prompt as the model sees it when generating: through the chat template when there is one."""
     if tokenizer.chat_template:
-        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=True)["input_ids"]
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
     return tokenizer(prompt)["input_ids"]
 
 
@@ -58,8 +59,9 @@ def encode_example(tokenizer, example: Example, max_length: int) -> tuple[list[i
     return prompt + answer, len(prompt)
 
 
-def sft_batches(tokenizer, examples: Sequence[Example], batch_size: int, max_length: int,
-                seed: int = 0) -> list[dict[str, torch.Tensor]]:
+def sft_batches(
+    tokenizer, examples: Sequence[Example], batch_size: int, max_length: int, seed: int = 0
+) -> list[dict[str, torch.Tensor]]:
     """Shuffled, right-padded batches with labels only on the answers (what `train.fit` consumes)."""
     if batch_size < 1 or not examples:
         raise ValueError(f"need batch_size >= 1 and at least one example, got {batch_size} and {len(examples)}")
@@ -68,7 +70,7 @@ def sft_batches(tokenizer, examples: Sequence[Example], batch_size: int, max_len
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     batches = []
     for start in range(0, len(order), batch_size):
-        encoded = [encode_example(tokenizer, examples[i], max_length) for i in order[start:start + batch_size]]
+        encoded = [encode_example(tokenizer, examples[i], max_length) for i in order[start : start + batch_size]]
         batch = pad_batch([tokens for tokens, _ in encoded], pad)  # labels are -100 on the padding
         for row, (_, n_prompt) in enumerate(encoded):
             batch["labels"][row, :n_prompt] = -100  # and on the prompt: only the answer is learned
@@ -91,8 +93,9 @@ def exact_match(model: nn.Module, tokenizer, examples: Sequence[Example], max_ne
 
 
 @torch.no_grad()
-def answer_loss(model: nn.Module, tokenizer, examples: Sequence[Example], batch_size: int = 8,
-                max_length: int = 256) -> float:
+def answer_loss(
+    model: nn.Module, tokenizer, examples: Sequence[Example], batch_size: int = 8, max_length: int = 256
+) -> float:
     """Mean cross-entropy per answer token (prompt excluded): a cheap, smooth score beside exact match."""
     device = next(model.parameters()).device
     was_training = model.training

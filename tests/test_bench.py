@@ -41,15 +41,18 @@ def test_time_fn_runs_before_untimed_ahead_of_each_repeat(monkeypatch):
     events = []
     monkeypatch.setattr(bench, "synchronize", lambda device=None: events.append("sync"))
     clock = lambda: events.append("clock") or 0.0  # noqa: E731
-    bench.time_fn(lambda: events.append("fn"), warmup=1, repeats=1, clock=clock, before=lambda: events.append("barrier"))
+    bench.time_fn(
+        lambda: events.append("fn"), warmup=1, repeats=1, clock=clock, before=lambda: events.append("barrier")
+    )
     assert events == ["fn", "barrier", "sync", "clock", "fn", "sync", "clock"]
 
 
 def test_time_interleaved_alternates_the_functions_and_keeps_their_times_apart():
     calls = []
     ticks = iter([0.0, 1.0, 1.0, 3.0, 3.0, 4.0, 4.0, 7.0])  # a 1 s, b 2 s, a 1 s, b 3 s
-    t = bench.time_interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
-                               warmup=1, repeats=2, clock=lambda: next(ticks))
+    t = bench.time_interleaved(
+        {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, warmup=1, repeats=2, clock=lambda: next(ticks)
+    )
     assert calls == ["a", "b", "a", "b", "a", "b"]  # warm-up of each, then alternating rounds
     assert (t["a"].times, t["b"].times, t["b"].median) == ([1.0, 1.0], [2.0, 3.0], 2.5)
     with pytest.raises(ValueError, match="repeats >= 1"):
@@ -107,8 +110,9 @@ def test_decode_benchmark_loads_measures_and_frees_the_model():
     loaded = []
 
     def load():
-        model = tiny_llama(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                           intermediate_size=64).eval()
+        model = tiny_llama(
+            vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64
+        ).eval()
         loaded.append(weakref.ref(model))
         return model
 
@@ -125,7 +129,8 @@ def test_flop_formulas():
     # 6N + 12·L·d·T for N=1e6, L=2, d=64, T=128
     assert bench.transformer_flops_per_token(10**6, 2, 64, 128) == 6e6 + 12 * 2 * 64 * 128
     assert bench.transformer_flops_per_token(10**6, 2, 64, 128, training=False) == pytest.approx(
-        (6e6 + 12 * 2 * 64 * 128) / 3)
+        (6e6 + 12 * 2 * 64 * 128) / 3
+    )
     assert bench.tokens_per_second(1000, 0.5) == 2000
     with pytest.raises(ValueError):
         bench.tokens_per_second(1, 0)
@@ -148,17 +153,30 @@ def _gpt2(layers, width, heads, vocab):
 def _llama(tied):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return LlamaForCausalLM(LlamaConfig(  # SmolLM2-135M's shape
-        num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,
-        vocab_size=49152, tie_word_embeddings=tied, max_position_embeddings=2048))
+    return LlamaForCausalLM(
+        LlamaConfig(  # SmolLM2-135M's shape
+            num_hidden_layers=30,
+            hidden_size=576,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            intermediate_size=1536,
+            vocab_size=49152,
+            tie_word_embeddings=tied,
+            max_position_embeddings=2048,
+        )
+    )
 
 
-@pytest.mark.parametrize("make, seq_len", [
-    (lambda: _gpt2(12, 768, 12, 50257), 256),  # GPT-2 small, tied head
-    (lambda: _gpt2(2, 64, 4, 512), 1024),  # attention-dominated
-    (lambda: _llama(tied=True), 512),
-    (lambda: _llama(tied=False), 512),
-], ids=["gpt2-small", "gpt2-tiny-long", "llama-tied", "llama-untied"])
+@pytest.mark.parametrize(
+    "make, seq_len",
+    [
+        (lambda: _gpt2(12, 768, 12, 50257), 256),  # GPT-2 small, tied head
+        (lambda: _gpt2(2, 64, 4, 512), 1024),  # attention-dominated
+        (lambda: _llama(tied=True), 512),
+        (lambda: _llama(tied=False), 512),
+    ],
+    ids=["gpt2-small", "gpt2-tiny-long", "llama-tied", "llama-untied"],
+)
 def test_model_flops_per_token_equals_torch_flop_counter(make, seq_len):
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -177,13 +195,16 @@ def test_matmul_parameters_count_the_tied_lm_head():
     assert bench.model_flops_per_token(model, 256) / 1e6 == pytest.approx(769.5, abs=0.1)
 
 
-@pytest.mark.parametrize("name, dtype, peak", [
-    ("NVIDIA H100 80GB HBM3", "bf16", 989.4e12),
-    ("NVIDIA A100-SXM4-80GB", "tf32", 156e12),
-    ("NVIDIA A10", "fp16", 125e12),
-    ("NVIDIA GeForce RTX 4090", "bf16", None),
-    ("Tesla T4", "bf16", None),
-])
+@pytest.mark.parametrize(
+    "name, dtype, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.4e12),
+        ("NVIDIA A100-SXM4-80GB", "tf32", 156e12),
+        ("NVIDIA A10", "fp16", 125e12),
+        ("NVIDIA GeForce RTX 4090", "bf16", None),
+        ("Tesla T4", "bf16", None),
+    ],
+)
 def test_device_peak_flops_matches_gpu_names(monkeypatch, name, dtype, peak):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
@@ -202,8 +223,13 @@ def test_matmul_sweep_stops_a_dtype_whose_next_size_would_exceed_the_budget(monk
 
     monkeypatch.setattr(bench, "matmul_throughput", fake)
     rows, skipped = bench.matmul_sweep([64, 256, 1024], ["fp32", "fp16"], budget_s=2.0)
-    assert [(r["dtype"], r["size"]) for r in rows] == [("fp32", 64), ("fp32", 256), ("fp32", 1024),
-                                                       ("fp16", 64), ("fp16", 256)]
+    assert [(r["dtype"], r["size"]) for r in rows] == [
+        ("fp32", 64),
+        ("fp32", 256),
+        ("fp32", 1024),
+        ("fp16", 64),
+        ("fp16", 256),
+    ]
     assert len(skipped) == 1 and skipped[0].startswith("fp16 n >= 1024")
     assert bench.next_size_fits(0.1, 512, 1024, 1.0) and not bench.next_size_fits(0.2, 512, 1024, 1.0)
 

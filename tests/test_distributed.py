@@ -129,8 +129,10 @@ def _start_held_job(ready: Path) -> tuple[subprocess.Popen, int, list[int]]:
 
     # SIGINT raises KeyboardInterrupt, as in a notebook kernel, even when this test runs in a background job
     # (which starts with SIGINT ignored, and Python then installs no handler)
-    code = ("import signal; signal.signal(signal.SIGINT, signal.default_int_handler); from labkit import distributed; "
-            f"distributed.launch({str(HOLD)!r}, 2, [{str(ready)!r}], echo=None, timeout=600)")
+    code = (
+        "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); from labkit import distributed; "
+        f"distributed.launch({str(HOLD)!r}, 2, [{str(ready)!r}], echo=None, timeout=600)"
+    )
     launcher = subprocess.Popen([sys.executable, "-c", code])
     deadline = time.time() + 120
     while len(pids := sorted(ready.glob("rank*.pid"))) < 2:
@@ -167,10 +169,19 @@ def test_launcher_checks_its_arguments(tmp_path):
         distributed.launch(SCRIPT, nproc=0)
 
 
-@pytest.mark.parametrize("gpus, ranks, device", [
-    (0, 1, "cpu"), (0, 2, "cpu"), (1, 1, "cuda"), (1, 2, "cpu"), (2, 2, "cuda"), (2, 4, "cpu"), (8, 2, "cuda"),
-    (8, 8, "cuda"),
-])
+@pytest.mark.parametrize(
+    "gpus, ranks, device",
+    [
+        (0, 1, "cpu"),
+        (0, 2, "cpu"),
+        (1, 1, "cuda"),
+        (1, 2, "cpu"),
+        (2, 2, "cuda"),
+        (2, 4, "cpu"),
+        (8, 2, "cuda"),
+        (8, 8, "cuda"),
+    ],
+)
 def test_ranks_get_a_gpu_each_or_run_on_the_cpu(gpus, ranks, device):
     where = distributed.placement(ranks, gpus)
     assert (where.device_type, where.backend) == (device, {"cuda": "nccl", "cpu": "gloo"}[device])
@@ -201,8 +212,14 @@ def test_two_ranks_on_a_one_gpu_node_use_the_cpu(monkeypatch, capsys):
         port = sock.getsockname()[1]
     monkeypatch.setattr(distributed, "visible_gpus", lambda: 1)
     monkeypatch.delenv(distributed.DEVICE_ENV, raising=False)
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+    for key, value in {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }.items():
         monkeypatch.setenv(key, value)
     with distributed.rank_context() as (rank, world, device):
         assert (rank, world, device.type, dist.get_backend()) == (0, 1, "cpu", "gloo")
@@ -213,22 +230,44 @@ def test_two_ranks_on_a_one_gpu_node_use_the_cpu(monkeypatch, capsys):
 def test_slurm_script_runs_torchrun_with_rendezvous_on_every_node(tmp_path):
     import subprocess
 
-    text = distributed.slurm_script("labs/scripts/ddp_train.py", nodes=2, gpus_per_node=4, args=["--steps", "100"],
-                                    partition="gpu", account="proj42", venv="/opt/course/.venv")
-    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=4",
-                 "#SBATCH --partition=gpu", "#SBATCH --account=proj42", "source /opt/course/.venv/bin/activate",
-                 "export HF_HUB_OFFLINE=1", "--nproc_per_node=4", "--rdzv_backend=c10d",
-                 '--rdzv_endpoint="$head_node:29500"', "labs/scripts/ddp_train.py --steps 100", "NCCL_SOCKET_IFNAME"):
+    text = distributed.slurm_script(
+        "labs/scripts/ddp_train.py",
+        nodes=2,
+        gpus_per_node=4,
+        args=["--steps", "100"],
+        partition="gpu",
+        account="proj42",
+        venv="/opt/course/.venv",
+    )
+    for line in (
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=4",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --account=proj42",
+        "source /opt/course/.venv/bin/activate",
+        "export HF_HUB_OFFLINE=1",
+        "--nproc_per_node=4",
+        "--rdzv_backend=c10d",
+        '--rdzv_endpoint="$head_node:29500"',
+        "labs/scripts/ddp_train.py --steps 100",
+        "NCCL_SOCKET_IFNAME",
+    ):
         assert line in text, line
     path = tmp_path / "job.sbatch"
     path.write_text(text)
     assert subprocess.run(["bash", "-n", str(path)]).returncode == 0  # valid shell
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"nodes": 0}, "nodes >= 1"), ({"time_limit": "90 minutes"}, "HH:MM:SS"),
-    ({"job_name": "a b"}, "job_name"), ({"port": 80}, "port"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"nodes": 0}, "nodes >= 1"),
+        ({"time_limit": "90 minutes"}, "HH:MM:SS"),
+        ({"job_name": "a b"}, "job_name"),
+        ({"port": 80}, "port"),
+    ],
+)
 def test_slurm_script_validates(kwargs, match):
     with pytest.raises(ValueError, match=match):
         distributed.slurm_script(SCRIPT, **kwargs)
@@ -242,19 +281,43 @@ def test_slurm_cli_writes_the_file(tmp_path, capsys, monkeypatch):
     (tmp_path / "train.py").write_text("")
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "job.sbatch"
-    assert cli.main(["slurm", "train.py", "--nodes", "2", "--gpus-per-node", "8", "-o", str(out), "--", "--lr", "3e-4",
-                     "--nodes", "9"]) == 0
+    assert (
+        cli.main(
+            [
+                "slurm",
+                "train.py",
+                "--nodes",
+                "2",
+                "--gpus-per-node",
+                "8",
+                "-o",
+                str(out),
+                "--",
+                "--lr",
+                "3e-4",
+                "--nodes",
+                "9",
+            ]
+        )
+        == 0
+    )
     text = out.read_text()
     assert "--nproc_per_node=8" in text and "#SBATCH --nodes=2" in text
     assert f"{tmp_path / 'train.py'} --lr 3e-4 --nodes 9" in text  # absolute: the job runs from any directory
     assert "sbatch" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["train.py", "--gpu-per-node", "4"], "unknown option(s) --gpu-per-node 4; the training script's own arguments go after `--`"),
-    (["train.py", "--steps", "200"], "labkit slurm train.py [options] -- --steps 200"),
-    (["missing.py", "--nodes", "2"], "no such script: missing.py"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["train.py", "--gpu-per-node", "4"],
+            "unknown option(s) --gpu-per-node 4; the training script's own arguments go after `--`",
+        ),
+        (["train.py", "--steps", "200"], "labkit slurm train.py [options] -- --steps 200"),
+        (["missing.py", "--nodes", "2"], "no such script: missing.py"),
+    ],
+)
 def test_slurm_cli_refuses_typos_and_missing_scripts(tmp_path, capsys, monkeypatch, argv, message):
     from labkit import cli
 
@@ -286,14 +349,20 @@ def test_the_generated_slurm_job_trains_on_two_nodes(tmp_path):
 
     from labkit import shards
 
-    shards.write_shards((np.arange(20000) * 7 % 256).astype(np.int64), tmp_path / "data", 5000, vocab_size=256,
-                        tokenizer="t")
+    shards.write_shards(
+        (np.arange(20000) * 7 % 256).astype(np.int64), tmp_path / "data", 5000, vocab_size=256, tokenizer="t"
+    )
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     text = distributed.slurm_script(
-        Path(__file__).parents[1] / "labs" / "scripts" / "ddp_train.py", nodes=2, gpus_per_node=1, venv=sys.prefix,
-        port=port, args=["--shards", str(tmp_path / "data"), "--steps", "3", "--block", "32", "--micro-batch", "2"])
+        Path(__file__).parents[1] / "labs" / "scripts" / "ddp_train.py",
+        nodes=2,
+        gpus_per_node=1,
+        venv=sys.prefix,
+        port=port,
+        args=["--shards", str(tmp_path / "data"), "--steps", "3", "--block", "32", "--micro-batch", "2"],
+    )
     (tmp_path / "job.sbatch").write_text(text)
     stand_ins = tmp_path / "bin"
     stand_ins.mkdir()
@@ -302,9 +371,15 @@ def test_the_generated_slurm_job_trains_on_two_nodes(tmp_path):
         (stand_ins / name).chmod(0o755)
     results = tmp_path / "results"
     results.mkdir()
-    env = {**os.environ, "PATH": f"{stand_ins}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node[1-2]",
-           "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242", "SLURM_CPUS_PER_TASK": "1",
-           distributed.RESULT_ENV: str(results)}
+    env = {
+        **os.environ,
+        "PATH": f"{stand_ins}:{os.environ['PATH']}",
+        "SLURM_JOB_NODELIST": "node[1-2]",
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_CPUS_PER_TASK": "1",
+        distributed.RESULT_ENV: str(results),
+    }
     run = subprocess.run(["bash", "job.sbatch"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     ranks = [json.loads(p.read_text()) for p in sorted(results.glob("result_rank*.json"))]
@@ -322,12 +397,34 @@ def test_ddp_training_equals_one_process_with_the_same_global_batch(tmp_path):
     stream = (np.arange(20000) * 7 % 256).astype(np.int64)
     shards.write_shards(stream, tmp_path / "data", 5000, vocab_size=256, tokenizer="t")
     script = Path(__file__).parents[1] / "labs" / "scripts" / "ddp_train.py"
-    common = ["--shards", str(tmp_path / "data"), "--vocab", "256", "--steps", "3", "--accum", "2", "--block", "32",
-              "--dtype", "float64"]  # fp32 sums differ with the rank count, and AdamW magnifies that near its eps
-    two = distributed.launch(script, nproc=2, args=[*common, "--micro-batch", "2", "--save", str(tmp_path / "two.st")],
-                             echo=None, timeout=180)
-    one = distributed.launch(script, nproc=1, args=[*common, "--micro-batch", "4", "--save", str(tmp_path / "one.st")],
-                             echo=None, timeout=180)
+    common = [
+        "--shards",
+        str(tmp_path / "data"),
+        "--vocab",
+        "256",
+        "--steps",
+        "3",
+        "--accum",
+        "2",
+        "--block",
+        "32",
+        "--dtype",
+        "float64",
+    ]  # fp32 sums differ with the rank count, and AdamW magnifies that near its eps
+    two = distributed.launch(
+        script,
+        nproc=2,
+        args=[*common, "--micro-batch", "2", "--save", str(tmp_path / "two.st")],
+        echo=None,
+        timeout=180,
+    )
+    one = distributed.launch(
+        script,
+        nproc=1,
+        args=[*common, "--micro-batch", "4", "--save", str(tmp_path / "one.st")],
+        echo=None,
+        timeout=180,
+    )
     assert [r["world"] for r in two] == [2, 2] and one[0]["world"] == 1
     a, b = load_file(str(tmp_path / "two.st")), load_file(str(tmp_path / "one.st"))
     assert all(a[k].dtype == torch.float64 for k in a)

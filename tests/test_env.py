@@ -12,8 +12,21 @@ from tests.permissions import deny_access, require_nobody, run_as_nobody
 
 def test_collect_reports_everything_the_issue_lists():
     info = env.collect()
-    for key in ("os", "python", "packages", "torch_cuda", "cudnn", "nccl", "nvidia_driver", "gpus",
-                "cpu", "ram_bytes", "cache", "assets", "profile"):
+    for key in (
+        "os",
+        "python",
+        "packages",
+        "torch_cuda",
+        "cudnn",
+        "nccl",
+        "nvidia_driver",
+        "gpus",
+        "cpu",
+        "ram_bytes",
+        "cache",
+        "assets",
+        "profile",
+    ):
         assert key in info, key
     assert info["cpu"]["logical_cores"] >= 1 and info["ram_bytes"] > 0
     assert info["cache"]["free_bytes"] > 0
@@ -30,10 +43,25 @@ def test_cpu_report_says_gpu_checks_are_skipped(monkeypatch):
 
 def test_gpu_report_shows_each_gpu():
     info = env.collect()
-    info.update(cuda_available=True, torch_cuda="12.8", cudnn=91000, nccl="2.27.3", nvidia_driver="570.1",
-                gpus=[{"index": 0, "name": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0",
-                       "memory_bytes": 80 * 2**30, "multiprocessors": 132, "bf16": True, "tf32": True,
-                       "fp16_tensor_cores": True}])
+    info.update(
+        cuda_available=True,
+        torch_cuda="12.8",
+        cudnn=91000,
+        nccl="2.27.3",
+        nvidia_driver="570.1",
+        gpus=[
+            {
+                "index": 0,
+                "name": "NVIDIA H100 80GB HBM3",
+                "compute_capability": "9.0",
+                "memory_bytes": 80 * 2**30,
+                "multiprocessors": 132,
+                "bf16": True,
+                "tf32": True,
+                "fp16_tensor_cores": True,
+            }
+        ],
+    )
     text = env.format_report(info)
     assert "NVIDIA H100 80GB HBM3, compute capability 9.0, 80.0 GiB, 132 SMs" in text
     assert "bf16 True" in text and "570.1" in text
@@ -55,8 +83,7 @@ def test_an_unreadable_file_in_the_cache_is_named_with_the_fix(tmp_cache, monkey
     deny_access(monkeypatch, weights, os.R_OK)
     user = pwd.getpwuid(os.getuid()).pw_name
     info = env.collect()
-    expected = (f"cache {weights} is not readable by user {user}: "
-                f"ask the instructor to run chmod -R a+rX {weights}")
+    expected = f"cache {weights} is not readable by user {user}: ask the instructor to run chmod -R a+rX {weights}"
     assert info["cache"]["error"] == expected
     report = env.format_report(info).splitlines()
     assert any(line.startswith("Cache ") and line.endswith(expected) for line in report)
@@ -67,9 +94,11 @@ def test_a_model_to_convert_in_a_read_only_cache_is_named_with_the_fix(tmp_cache
     deny_access(monkeypatch, tmp_cache, os.W_OK)
     user = pwd.getpwuid(os.getuid()).pw_name
     info = env.collect()
-    expected = (f"not converted yet, and cache {tmp_cache} is not writable by user {user}: ask the "
-                "instructor to run `labkit prepare` for this cache, or use a cache of your own: "
-                "export LABKIT_CACHE=$HOME/labkit-cache")
+    expected = (
+        f"not converted yet, and cache {tmp_cache} is not writable by user {user}: ask the "
+        "instructor to run `labkit prepare` for this cache, or use a cache of your own: "
+        "export LABKIT_CACHE=$HOME/labkit-cache"
+    )
     assert info["cache"]["error"] is None
     assert info["assets"]["model smollm2-135m"] == expected
     assert expected in env.format_report(info)
@@ -89,7 +118,10 @@ def test_doctor_run_by_another_user_names_what_it_cannot_read_or_write():
         secret.chmod(0o600)
         result = run_as_nobody(NOBODY_DOCTOR, {**os.environ, "LABKIT_CACHE": str(cache)}, cwd=top)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert (f"cache {secret} is not readable by user nobody: "
-            f"ask the instructor to run chmod -R a+rX {secret}") in result.stdout
-    assert (f"not converted yet, and cache {cache}/models is not writable by user nobody: "
-            "ask the instructor to run `labkit prepare` for this cache") in result.stdout
+    assert (
+        f"cache {secret} is not readable by user nobody: ask the instructor to run chmod -R a+rX {secret}"
+    ) in result.stdout
+    assert (
+        f"not converted yet, and cache {cache}/models is not writable by user nobody: "
+        "ask the instructor to run `labkit prepare` for this cache"
+    ) in result.stdout

@@ -4,7 +4,8 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 
 from labkit import evaluate
@@ -50,8 +51,7 @@ def test_windows_reject_bad_stride():
 
 
 def test_uniform_model_has_perplexity_equal_to_vocab():
-    result = evaluate.perplexity(Uniform(257), ByteTokenizer(), ["hello world", "abc"], max_length=4,
-                                 progress=False)
+    result = evaluate.perplexity(Uniform(257), ByteTokenizer(), ["hello world", "abc"], max_length=4, progress=False)
     assert result.perplexity == pytest.approx(257)
     assert result.nll == pytest.approx(math.log(257))
     # 16 tokens (11 + EOS + 3 + EOS) in 4 non-overlapping windows of 4: first token of each unscored
@@ -100,8 +100,9 @@ def test_default_model_perplexity_on_wiki_validation_is_in_range(default_model):
     from labkit.data import load_corpus
 
     model, tokenizer = default_model
-    result = evaluate.perplexity(model, tokenizer, load_corpus("wiki", "validation")[:4], max_length=256,
-                                 progress=False)
+    result = evaluate.perplexity(
+        model, tokenizer, load_corpus("wiki", "validation")[:4], max_length=256, progress=False
+    )
     assert 10 < result.perplexity < 30  # 18.7 measured on these four articles
 
 
@@ -110,9 +111,9 @@ def test_generation_is_reproducible_and_validated(default_model):
     model, tokenizer = default_model
     prompt = "Name a colour."
     assert evaluate.generate(model, tokenizer, prompt, max_new_tokens=8) == evaluate.generate(
-        model, tokenizer, prompt, max_new_tokens=8)
-    sampled = [evaluate.generate(model, tokenizer, prompt, max_new_tokens=8, temperature=1.0, seed=7)
-               for _ in range(2)]
+        model, tokenizer, prompt, max_new_tokens=8
+    )
+    sampled = [evaluate.generate(model, tokenizer, prompt, max_new_tokens=8, temperature=1.0, seed=7) for _ in range(2)]
     assert sampled[0] == sampled[1]
     with pytest.raises(ValueError, match="max_new_tokens"):
         evaluate.generate(model, tokenizer, prompt, max_new_tokens=0)

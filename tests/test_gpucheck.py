@@ -31,10 +31,12 @@ def test_the_plan_covers_every_lab_and_gpu_benchmark(tmp_path, gpus, all_reduce_
     steps = {s.name: s for s in gpucheck.plan(gpus, tmp_path / "log.jsonl")}
     labs = sorted(p.stem for p in (gpucheck.ROOT / "labs").glob("[0-9][0-9]_*.ipynb"))
     assert len(labs) >= 9 and all(steps[f"lab {lab}"].env == {"LABKIT_PROFILE": "gpu"} for lab in labs)
-    for name, script in (("precision and MFU, torch.compile", "precision_mfu.py"),
-                         ("pruning speed and 2:4 kernels", "pruning_speed.py"),
-                         ("GPTQ 4-bit decode vs fp16", "gptq_decode.py"), ("LoRA vs full fine-tune memory",
-                                                                           "lora_vs_full.py")):
+    for name, script in (
+        ("precision and MFU, torch.compile", "precision_mfu.py"),
+        ("pruning speed and 2:4 kernels", "pruning_speed.py"),
+        ("GPTQ 4-bit decode vs fp16", "gptq_decode.py"),
+        ("LoRA vs full fine-tune memory", "lora_vs_full.py"),
+    ):
         assert steps[name].command[1].endswith(script) and str(tmp_path / "log.jsonl") in steps[name].command
     assert "--compile" in steps["precision and MFU, torch.compile"].command
     assert f"--nproc_per_node={all_reduce_ranks}" in steps["all-reduce on NCCL"].command
@@ -43,10 +45,12 @@ def test_the_plan_covers_every_lab_and_gpu_benchmark(tmp_path, gpus, all_reduce_
 
 def test_steps_report_failure_timeout_and_missing_gpus(tmp_path):
     ok = gpucheck.run_step(gpucheck.Step("ok", [PY, "-c", "print('fine')"], 60), 1, tmp_path, echo=lambda _: None)
-    bad = gpucheck.run_step(gpucheck.Step("bad", [PY, "-c", "raise SystemExit('broken')"], 60), 1, tmp_path,
-                            echo=lambda _: None)
-    slow = gpucheck.run_step(gpucheck.Step("slow", [PY, "-c", "import time; time.sleep(30)"], 1), 1, tmp_path,
-                             echo=lambda _: None)
+    bad = gpucheck.run_step(
+        gpucheck.Step("bad", [PY, "-c", "raise SystemExit('broken')"], 60), 1, tmp_path, echo=lambda _: None
+    )
+    slow = gpucheck.run_step(
+        gpucheck.Step("slow", [PY, "-c", "import time; time.sleep(30)"], 1), 1, tmp_path, echo=lambda _: None
+    )
     many = gpucheck.run_step(gpucheck.Step("nccl", [PY, "-c", "pass"], 60, gpus=2), 1, tmp_path, echo=lambda _: None)
     assert (ok["status"], bad["status"], slow["status"], many["status"]) == ("passed", "failed", "timed out", "skipped")
     assert "fine" in ok["output_tail"] and "broken" in bad["output_tail"] and slow["seconds"] < 15
@@ -73,8 +77,11 @@ def test_a_gpu_run_writes_every_step_and_reads_the_goals(tmp_path, monkeypatch, 
     assert [(s["step"], s["status"]) for s in report["steps"]] == [("bench", "passed"), ("lab 99", "failed")]
     assert len(report["benchmarks"]) == 3
     measured = {goal: g["measured"] for goal, g in report["goals"].items()}
-    assert measured == {"bf16 MFU, GPT-2 small, torch.compile": 0.52, "2:4 sparse linear speed-up, 8192 x 8192": 1.4,
-                        "GPTQ 4-bit / fp16 decode speed, batch 1": None}
+    assert measured == {
+        "bf16 MFU, GPT-2 small, torch.compile": 0.52,
+        "2:4 sparse linear speed-up, 8192 x 8192": 1.4,
+        "GPTQ 4-bit / fp16 decode speed, batch 1": None,
+    }
     out = capsys.readouterr().out
     assert "GPTQ 4-bit / fp16 decode speed, batch 1: target > 1, not measured" in out
     assert "bf16 MFU, GPT-2 small, torch.compile: target >= 0.55, measured 0.52" in out

@@ -74,10 +74,16 @@ def test_from_scratch_matches_peft_outputs_and_gradients(ids, targets):
     torch.testing.assert_close(out_ours, out_theirs, **FLOAT64)
     next_token_loss(out_ours, ids).backward()  # in float64 (transformers' own loss casts logits to fp32)
     next_token_loss(out_theirs, ids).backward()
-    grads_theirs = {n.removeprefix("base_model.model.").replace(".default", ""): p.grad
-                    for n, p in peft_model.named_parameters() if p.requires_grad}
-    grads_ours = {n.replace("lora_A", "lora_A.weight").replace("lora_B", "lora_B.weight"): p.grad
-                  for n, p in ours.named_parameters() if p.requires_grad}
+    grads_theirs = {
+        n.removeprefix("base_model.model.").replace(".default", ""): p.grad
+        for n, p in peft_model.named_parameters()
+        if p.requires_grad
+    }
+    grads_ours = {
+        n.replace("lora_A", "lora_A.weight").replace("lora_B", "lora_B.weight"): p.grad
+        for n, p in ours.named_parameters()
+        if p.requires_grad
+    }
     grads_theirs = {n.replace(".base_layer", ""): g for n, g in grads_theirs.items()}
     assert grads_ours.keys() == grads_theirs.keys()
     for name in grads_ours:
@@ -238,8 +244,9 @@ def test_finetune_and_score_trains_adapters_and_scores_the_task(default_model):
     examples = tasks.title_examples("train", limit=4)
     held_out = tasks.title_examples("validation", limit=2)
     cfg = train.TrainConfig(steps=2, lr=1e-3, progress=False)
-    result = lora.finetune_and_score("r8", model, tokenizer, examples, held_out, cfg, batch_size=2, max_length=128,
-                                     max_new_tokens=4)
+    result = lora.finetune_and_score(
+        "r8", model, tokenizer, examples, held_out, cfg, batch_size=2, max_length=128, max_new_tokens=4
+    )
     assert result.trainable == 460_800 and len(result.losses) == 2 and result.step_seconds > 0
     assert result.peak_memory.peak_bytes > 0 and result.eval_loss > 0 and 0 <= result.accuracy <= 1
     assert len(result.predictions) == 2
@@ -259,8 +266,7 @@ def test_default_model_q_v_rank_8_trains_a_third_of_a_percent(default_model):
 @pytest.mark.parametrize("mask, file_mode, dir_mode", UMASK_CASES)
 def test_saved_adapters_get_the_modes_the_umask_gives(tmp_path, mask, file_mode, dir_mode):
     with umask(mask):
-        path = lora.save_adapter(lora.apply_peft(tiny_llama(), ("q_proj", "v_proj"), r=4),
-                                 tmp_path / "adapter")
+        path = lora.save_adapter(lora.apply_peft(tiny_llama(), ("q_proj", "v_proj"), r=4), tmp_path / "adapter")
     found = modes(path)
     assert {"adapter_config.json", "adapter_model.safetensors"} <= found.keys()
     assert found == dict.fromkeys(found, file_mode) | {".": dir_mode}

@@ -19,8 +19,9 @@ def test_tiny_models_are_seeded_and_run(factory):
 
 
 def test_count_parameters_counts_tied_weights_once():
-    m = models.tiny_llama(vocab_size=100, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
-                          intermediate_size=32)
+    m = models.tiny_llama(
+        vocab_size=100, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32
+    )
     assert m.get_input_embeddings().weight is m.get_output_embeddings().weight
     assert models.count_parameters(m) == sum(p.numel() for p in m.parameters())  # parameters() dedups
     m.model.layers[0].mlp.requires_grad_(False)
@@ -28,14 +29,16 @@ def test_count_parameters_counts_tied_weights_once():
 
 
 def test_local_directory_round_trip(tmp_path):
+    from tokenizers import Tokenizer
+    from tokenizers import models as tmodels
     from transformers import PreTrainedTokenizerFast
-    from tokenizers import Tokenizer, models as tmodels
 
     model = models.tiny_llama()
     model.save_pretrained(tmp_path)
     vocab = {f"t{i}": i for i in range(512)} | {"<unk>": 0}
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(tmodels.WordLevel(vocab, unk_token="<unk>")),
-                                  eos_token="t1")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(tmodels.WordLevel(vocab, unk_token="<unk>")), eos_token="t1"
+    )
     tok.save_pretrained(tmp_path)
     loaded, loaded_tok = models.load_model(str(tmp_path))
     ids = torch.randint(0, 512, (1, 8))
@@ -83,19 +86,24 @@ def test_lab_llama_is_sized_by_the_profile():
     model = models.lab_llama(1000, PROFILES["smoke"], seed=0)
     cfg = model.config
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size, cfg.max_position_embeddings) == (
-        PROFILES["smoke"].lm_hidden, PROFILES["smoke"].lm_layers, 3 * PROFILES["smoke"].lm_hidden,
-        PROFILES["smoke"].block_size)
+        PROFILES["smoke"].lm_hidden,
+        PROFILES["smoke"].lm_layers,
+        3 * PROFILES["smoke"].lm_hidden,
+        PROFILES["smoke"].block_size,
+    )
     assert cfg.num_key_value_heads == 2 and cfg.vocab_size == 1000
 
 
 @pytest.mark.parametrize("mask, file_mode, dir_mode", UMASK_CASES)
 def test_saved_models_get_the_modes_the_umask_gives(tmp_path, mask, file_mode, dir_mode):
-    from tokenizers import Tokenizer, models as tmodels
+    from tokenizers import Tokenizer
+    from tokenizers import models as tmodels
     from transformers import PreTrainedTokenizerFast
 
     vocab = {f"t{i}": i for i in range(512)} | {"<unk>": 0}
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(tmodels.WordLevel(vocab, unk_token="<unk>")),
-                                  eos_token="t1")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(tmodels.WordLevel(vocab, unk_token="<unk>")), eos_token="t1"
+    )
     with umask(mask):
         dest = models.save_model(models.tiny_llama(), tok, tmp_path / "m")
     found = modes(dest)

@@ -59,15 +59,18 @@ def test_saved_activation_bytes_grow_with_the_batch():
 
 
 def test_bubble_fraction_of_a_known_timeline():
-    events = [{"rank": 0, "kind": "F", "microbatch": 0, "start": 0.0, "end": 1.0},
-              {"rank": 1, "kind": "F", "microbatch": 0, "start": 1.0, "end": 2.0}]
+    events = [
+        {"rank": 0, "kind": "F", "microbatch": 0, "start": 0.0, "end": 1.0},
+        {"rank": 1, "kind": "F", "microbatch": 0, "start": 1.0, "end": 2.0},
+    ]
     assert pipeline.bubble_fraction(events) == 0.5  # each rank busy 1 of 2 time units
 
 
 @pytest.fixture(scope="module", params=["gpipe", "1f1b"])
 def run(request):
-    res = distributed.launch(SCRIPT, nproc=2, args=["--schedule", request.param, "--microbatches", "4"],
-                             echo=None, timeout=240)
+    res = distributed.launch(
+        SCRIPT, nproc=2, args=["--schedule", request.param, "--microbatches", "4"], echo=None, timeout=240
+    )
     return request.param, res
 
 
@@ -81,7 +84,8 @@ def test_timeline_has_the_shape_of_the_schedule(run):
     schedule, res = run
     for r in res:
         assert sorted((e["kind"], e["microbatch"]) for e in r["events"]) == sorted(
-            (k, m) for k in "FB" for m in range(4))
+            (k, m) for k in "FB" for m in range(4)
+        )
     first = sorted(res[0]["events"], key=lambda e: e["start"])
     kinds = "".join(e["kind"] for e in first)
     for r in res:  # what torch ran is what schedule_order says
@@ -107,8 +111,16 @@ def test_1f1b_order_runs_every_microbatch_once_and_holds_at_most_warmup_in_fligh
             held += 1 if kind == "F" else -1
             peak = max(peak, held)
         assert peak == min(m, stages - stage)
-    assert pipeline.schedule_order("1f1b", 0, 2, 4) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3),
-                                                         ("B", 2), ("B", 3)]
+    assert pipeline.schedule_order("1f1b", 0, 2, 4) == [
+        ("F", 0),
+        ("F", 1),
+        ("B", 0),
+        ("F", 2),
+        ("B", 1),
+        ("F", 3),
+        ("B", 2),
+        ("B", 3),
+    ]
     assert pipeline.schedule_order("gpipe", 1, 2, 2) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
 
 

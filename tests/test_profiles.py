@@ -74,27 +74,27 @@ LAB_LINES = {
     "00_gpu_setup": ["texts = validation[: profile.eval_documents]"],
     "01_data_and_tokenization": [
         "bpe_docs = kept[: profile.bpe_train_documents]",
-        "shard_paths = shards.write_shards(stream, out / \"shards\", shard_tokens=len(stream) // 4 + 1,",
+        'shard_paths = shards.write_shards(stream, out / "shards", shard_tokens=len(stream) // 4 + 1,',
         "loader = shards.make_loader(shard_paths, profile.block_size, profile.batch_size, seed=0,",
         "r = shards.loader_throughput(loader, profile.loader_batches, device)",
     ],
     "02_mixed_precision": [
-        "paths = shards.tokenize_to_shards(load_corpus(\"wiki\", \"train\"), tokenizer, data_dir)",
+        'paths = shards.tokenize_to_shards(load_corpus("wiki", "train"), tokenizer, data_dir)',
         "cfg = TrainConfig(steps=profile.train_steps,",
         "loader = shards.make_loader(paths, profile.block_size, profile.batch_size, seed=0, device=device)",
     ],
     "03_gradient_accumulation": [
         "lengths = [profile.block_size >> k for k in (0, 3, 1, 4, 2, 0, 3, 1)]",
-        "load_corpus(\"wiki\", \"train\")[:8]), lengths)]",
+        'load_corpus("wiki", "train")[:8]), lengths)]',
         "block = min(profile.block_size // 4, len(stream) // 8)",
         "micro_size = max(1, profile.batch_size // 4)",
-        "paths = shards.tokenize_to_shards(load_corpus(\"wiki\", \"train\")[:400], tokenizer,",
+        'paths = shards.tokenize_to_shards(load_corpus("wiki", "train")[:400], tokenizer,',
         "history = fit(model, loader, TrainConfig(steps=3, accum_steps=k, progress=False))",
         "cfg = TrainConfig(steps=profile.train_steps, lr=2e-3,",
         "grad_clip=1.0, accum_steps=4,",
     ],
     "04_data_parallelism": [
-        "shards.tokenize_to_shards(load_corpus(\"wiki\", \"train\")[:2000], tokenizer, data_dir,",
+        'shards.tokenize_to_shards(load_corpus("wiki", "train")[:2000], tokenizer, data_dir,',
         "data_dir, shard_tokens=2**17)",
         "steps = max(4, profile.train_steps // 2)",
         "micro = max(1, profile.batch_size // 4)",
@@ -105,20 +105,20 @@ LAB_LINES = {
         "probe_texts = validation[: profile.sensitivity_documents]",
         "stream = torch.tensor(evaluate.token_stream(tokenizer, train_texts[:64]))",
         "calibration = list(stream[: 8 * profile.finetune_block_size].view(8, -1).split(2))",
-        "paths = shards.tokenize_to_shards(train_texts, tokenizer, OUT / \"shards\")",
+        'paths = shards.tokenize_to_shards(train_texts, tokenizer, OUT / "shards")',
         "shards.make_loader(paths, profile.finetune_block_size, profile.finetune_batch_size, seed=seed,",
         "per_round = replace(finetune, steps=max(1, profile.finetune_steps // len(rounds_at)))",
     ],
     "07_gptq_quantization": [
-        "eval_texts = load_corpus(\"wiki\", \"validation\")[: profile.eval_documents]",
-        "calibration = quant.calibration_blocks(tokenizer, load_corpus(\"wiki\", \"train\"),",
-        "held_out = quant.calibration_blocks(tokenizer, load_corpus(\"wiki\", \"validation\"),",
+        'eval_texts = load_corpus("wiki", "validation")[: profile.eval_documents]',
+        'calibration = quant.calibration_blocks(tokenizer, load_corpus("wiki", "train"),',
+        'held_out = quant.calibration_blocks(tokenizer, load_corpus("wiki", "validation"),',
         "x = calibration[:1, :256].to(device)",
     ],
     "08_lora_finetuning": [
-        "train_examples = tasks.title_examples(\"train\")[: profile.lora_steps * profile.lora_batch_size]",
-        "held_out = tasks.title_examples(\"validation\", limit=profile.lora_eval_examples)",
-        "calibration = quant.calibration_blocks(tokenizer, load_corpus(\"wiki\", \"train\"),",
+        'train_examples = tasks.title_examples("train")[: profile.lora_steps * profile.lora_batch_size]',
+        'held_out = tasks.title_examples("validation", limit=profile.lora_eval_examples)',
+        'calibration = quant.calibration_blocks(tokenizer, load_corpus("wiki", "train"),',
     ],
 }
 
@@ -194,8 +194,12 @@ def draws(p: profiles.Profile, corpus: dict, own_bpe_tokens) -> list[Draw]:
     train, val = corpus["train"], corpus["validation"]
     rows = [
         Draw("00 06 07", "validation articles scored (eval_documents)", p.eval_documents, len(val)),
-        Draw("00 06 07", "a full perplexity window (eval_max_length) in their tokens", p.eval_max_length,
-             stream_tokens(val[: p.eval_documents])),
+        Draw(
+            "00 06 07",
+            "a full perplexity window (eval_max_length) in their tokens",
+            p.eval_max_length,
+            stream_tokens(val[: p.eval_documents]),
+        ),
         Draw("06", "validation articles per sensitivity probe", p.sensitivity_documents, len(val)),
     ]
     # Lab 01: BPE on the cleaned train articles, their stream in 4 shards, one warm-up batch, then the timing.
@@ -203,12 +207,22 @@ def draws(p: profiles.Profile, corpus: dict, own_bpe_tokens) -> list[Draw]:
     blocks = loader_blocks(bpe_tokens, p.block_size, bpe_tokens // 4 + 1)
     rows += [
         Draw("01", "cleaned train articles for the own BPE", p.bpe_train_documents, len(corpus["kept"])),
-        Draw("01", "batches timed (loader_batches) vs one epoch less the warm-up", p.loader_batches,
-             math.ceil(blocks / p.batch_size) - 1),
+        Draw(
+            "01",
+            "batches timed (loader_batches) vs one epoch less the warm-up",
+            p.loader_batches,
+            math.ceil(blocks / p.batch_size) - 1,
+        ),
     ]
     # Lab 02: train_steps batches from the whole train split, each block at most once.
-    rows.append(Draw("02", "blocks per run (train_steps x batch_size), one epoch at most",
-                     p.train_steps * p.batch_size, loader_blocks(stream_tokens(train), p.block_size)))
+    rows.append(
+        Draw(
+            "02",
+            "blocks per run (train_steps x batch_size), one epoch at most",
+            p.train_steps * p.batch_size,
+            loader_blocks(stream_tokens(train), p.block_size),
+        )
+    )
     # Lab 03: 8 documents cut to block_size >> k tokens; packed into 8 blocks for 4 micro-batches of 2.
     cut = [min(n, p.block_size >> k) for n, k in zip(train[:8], (0, 3, 1, 4, 2, 0, 3, 1))]
     packed = stream_tokens(cut)
@@ -225,33 +239,62 @@ def draws(p: profiles.Profile, corpus: dict, own_bpe_tokens) -> list[Draw]:
     ]
     # Lab 04: 2000 articles in shards of 2**17 tokens, dealt to 2 ranks; each rank's blocks at most once.
     steps = max(4, p.train_steps // 2)
-    rows.append(Draw("04", "blocks per rank of 2 (steps x micro-batch), one epoch at most", steps * micro,
-                     loader_blocks(stream_tokens(train[:2000]), p.block_size, 2**17) // 2))
+    rows.append(
+        Draw(
+            "04",
+            "blocks per rank of 2 (steps x micro-batch), one epoch at most",
+            steps * micro,
+            loader_blocks(stream_tokens(train[:2000]), p.block_size, 2**17) // 2,
+        )
+    )
     # Lab 06: Taylor calibration from 64 articles; recovery fine-tunes on the train split, no block twice.
     rows += [
-        Draw("06", "calibration tokens (8 x finetune_block_size) in 64 train articles",
-             8 * p.finetune_block_size, stream_tokens(train[:64])),
-        Draw("06", "blocks per fine-tune (finetune_steps x finetune_batch_size), one epoch at most",
-             p.finetune_steps * p.finetune_batch_size,
-             loader_blocks(stream_tokens(train), p.finetune_block_size)),
+        Draw(
+            "06",
+            "calibration tokens (8 x finetune_block_size) in 64 train articles",
+            8 * p.finetune_block_size,
+            stream_tokens(train[:64]),
+        ),
+        Draw(
+            "06",
+            "blocks per fine-tune (finetune_steps x finetune_batch_size), one epoch at most",
+            p.finetune_steps * p.finetune_batch_size,
+            loader_blocks(stream_tokens(train), p.finetune_block_size),
+        ),
     ]
     # Labs 07-08: GPTQ windows from train; lab 07 compares with as many held-out windows from validation.
     rows += [
-        Draw("07 08", "calibration windows from the train split", p.calibration_blocks,
-             stream_tokens(train) // p.calibration_block_size),
-        Draw("07", "held-out windows from the validation split", p.calibration_blocks,
-             stream_tokens(val) // p.calibration_block_size),
+        Draw(
+            "07 08",
+            "calibration windows from the train split",
+            p.calibration_blocks,
+            stream_tokens(train) // p.calibration_block_size,
+        ),
+        Draw(
+            "07",
+            "held-out windows from the validation split",
+            p.calibration_blocks,
+            stream_tokens(val) // p.calibration_block_size,
+        ),
         Draw("07", "tokens per window, for lab 07's 256-token forward", 256, p.calibration_block_size),
     ]
     # Lab 08: each train example seen once; a prompt keeps 8 tokens or more before the longest answer + EOS.
     answers = corpus["train titles"][: p.lora_steps * p.lora_batch_size]
     answers += corpus["validation titles"][: p.lora_eval_examples]
     rows += [
-        Draw("08", "train articles (lora_steps x lora_batch_size), each once",
-             p.lora_steps * p.lora_batch_size, len(train)),
+        Draw(
+            "08",
+            "train articles (lora_steps x lora_batch_size), each once",
+            p.lora_steps * p.lora_batch_size,
+            len(train),
+        ),
         Draw("08", "held-out validation articles (lora_eval_examples)", p.lora_eval_examples, len(val)),
-        Draw("08", "longest answer + EOS + 8 prompt tokens, within lora_max_length", max(answers) + 1 + 8,
-             p.lora_max_length),
+        Draw(
+            "08",
+            "longest answer + EOS + 8 prompt tokens, within lora_max_length",
+            max(answers) + 1 + 8,
+            p.lora_max_length,
+        ),
     ]
     return rows
 
@@ -260,4 +303,5 @@ def draws(p: profiles.Profile, corpus: dict, own_bpe_tokens) -> list[Draw]:
 def test_every_profile_asks_only_for_what_the_data_holds(name, corpus, own_bpe_tokens):
     over = [d for d in draws(profiles.PROFILES[name], corpus, own_bpe_tokens) if d.asked > d.available]
     assert not over, f"profile {name!r} asks for more than exists:\n" + "\n".join(
-        f"  lab {d.lab}: {d.what}: asks {d.asked:,}, the data holds {d.available:,}" for d in over)
+        f"  lab {d.lab}: {d.what}: asks {d.asked:,}, the data holds {d.available:,}" for d in over
+    )

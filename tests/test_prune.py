@@ -5,7 +5,8 @@ import copy
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.nn.utils import prune as torch_prune
 
@@ -173,8 +174,9 @@ def test_prune_and_recover_rounds_reach_each_sparsity_and_recover():
         with torch.no_grad():
             return m(input_ids=texts_ids, labels=texts_ids).loss.item()
 
-    rounds = prune.prune_and_recover(model, _blocks(12), [0.3, 0.6], TrainConfig(steps=3, lr=1e-2, progress=False),
-                                     score=score)
+    rounds = prune.prune_and_recover(
+        model, _blocks(12), [0.3, 0.6], TrainConfig(steps=3, lr=1e-2, progress=False), score=score
+    )
     assert [r["sparsity"] for r in rounds] == pytest.approx([0.3, 0.6], abs=1e-3)
     assert all(len(r["history"]) == 3 for r in rounds)
     assert all(r["recovered"] < r["pruned"] for r in rounds)
@@ -224,12 +226,15 @@ def test_removing_a_head_equals_zeroing_its_output_columns(tmp_path):
     assert (shapes["heads"], shapes["kv_heads"], shapes["head_dim"]) == (2, 2, 16)
     for i, layer in enumerate(reference.model.layers):
         q = state[f"model.layers.{i}.self_attn.q_proj.weight"].view(4, 16, -1)
-        kept = [h for h in range(4) if any(torch.equal(q[h], r) for r in
-                                           model.model.layers[i].self_attn.q_proj.weight.view(2, 16, -1))]
+        kept = [
+            h
+            for h in range(4)
+            if any(torch.equal(q[h], r) for r in model.model.layers[i].self_attn.q_proj.weight.view(2, 16, -1))
+        ]
         assert len(kept) == 2 and {h // 2 for h in kept} == {0, 1}  # one per group
         with torch.no_grad():
             for h in set(range(4)) - set(kept):
-                layer.self_attn.o_proj.weight[:, h * 16:(h + 1) * 16] = 0
+                layer.self_attn.o_proj.weight[:, h * 16 : (h + 1) * 16] = 0
     fewer_heads, zeroed = copy.deepcopy(model).double(), copy.deepcopy(reference).double()  # different shapes: float64
     torch.testing.assert_close(_logits(fewer_heads, IDS), _logits(zeroed, IDS), **FLOAT64)
     tokenizer_free = tmp_path / "m"
@@ -345,8 +350,9 @@ def test_2_4_kernels_fall_back_to_cutlass_without_cusparselt(monkeypatch, cuspar
     for cls in (SparseSemiStructuredTensorCUSPARSELT, SparseSemiStructuredTensorCUTLASS):
         monkeypatch.setattr(cls, "from_dense", classmethod(lambda c, w: chosen.append(c) or w))
     prune._semi_structured(torch.zeros(4, 4))
-    assert chosen == [{"cusparselt": SparseSemiStructuredTensorCUSPARSELT,
-                       "cutlass": SparseSemiStructuredTensorCUTLASS}[backend]]
+    assert chosen == [
+        {"cusparselt": SparseSemiStructuredTensorCUSPARSELT, "cutlass": SparseSemiStructuredTensorCUTLASS}[backend]
+    ]
 
 
 def test_semi_structured_kernels_report_why_they_cannot_run_here():
@@ -359,15 +365,19 @@ def test_semi_structured_kernels_report_why_they_cannot_run_here():
         prune.to_semi_structured(_model())
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or prune.semi_structured_support("cuda") is not None,
-                    reason="needs an Ampere-or-newer NVIDIA GPU")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or prune.semi_structured_support("cuda") is not None,
+    reason="needs an Ampere-or-newer NVIDIA GPU",
+)
 def test_semi_structured_linear_matches_dense():
     result = prune.semi_structured_speedup(1024, 1024, 256, repeats=3)
     assert result["max_abs_error"] < 0.5 and result["speedup"] > 0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or prune.semi_structured_support("cuda") is not None,
-                    reason="needs an Ampere-or-newer NVIDIA GPU")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or prune.semi_structured_support("cuda") is not None,
+    reason="needs an Ampere-or-newer NVIDIA GPU",
+)
 def test_semi_structured_model_matches_its_dense_2_4_twin():
     model = tiny_llama(vocab_size=128, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)
     model = model.half().cuda()

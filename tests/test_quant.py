@@ -33,8 +33,10 @@ def hessian_of(x: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- configuration
 
 
-@pytest.mark.parametrize("kwargs", [{"bits": 5}, {"bits": 1}, {"group_size": 0}, {"group_size": -2},
-                                    {"damp": 1.0}, {"damp": -0.1}, {"block_size": 0}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"bits": 5}, {"bits": 1}, {"group_size": 0}, {"group_size": -2}, {"damp": 1.0}, {"damp": -0.1}, {"block_size": 0}],
+)
 def test_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError):
         QuantConfig(**kwargs)
@@ -181,8 +183,9 @@ def test_symmetric_zeros_are_stored_minus_one(sym):
 # ----------------------------------------------------------------------------- packed in memory
 
 
-@pytest.mark.parametrize("bits,group_size,act_order", [(4, 32, False), (4, -1, False), (2, 16, False),
-                                                        (8, 32, False), (4, 32, True)])
+@pytest.mark.parametrize(
+    "bits,group_size,act_order", [(4, 32, False), (4, -1, False), (2, 16, False), (8, 32, False), (4, 32, True)]
+)
 def test_packed_linear_stores_bits_per_code_and_computes_with_the_dequantized_weight(bits, group_size, act_order):
     torch.manual_seed(0)
     weight, x = torch.randn(48, 64), torch.randn(5, 64)
@@ -209,7 +212,7 @@ def test_packed_linear_keeps_no_full_weight_for_the_backward():
     layer, x = quant.PackedLinear(q), torch.randn(3, 64, requires_grad=True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
-        dense = x @ q.dequantize().T
+        x @ q.dequantize().T
         assert (96, 64) in saved or (64, 96) in saved  # a plain matmul keeps the weight alive
         saved.clear()
         layer(x).sum().backward()
@@ -256,8 +259,12 @@ def test_sequential_groups_follow_the_data_flow(tiny, calibration):
     layers = quant.decoder_layers(tiny)
     inputs, kwargs = quant._first_block_inputs(tiny, layers, calibration[:2], batch_size=2)
     groups = quant._sequential_groups(layers[0], inputs[0], kwargs[0])
-    assert groups == [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
-                      ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
+    assert groups == [
+        ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+        ["self_attn.o_proj"],
+        ["mlp.gate_proj", "mlp.up_proj"],
+        ["mlp.down_proj"],
+    ]
 
 
 def test_input_hessian_is_two_x_xt_over_n(tiny, calibration):
@@ -275,8 +282,9 @@ def test_input_hessian_is_two_x_xt_over_n(tiny, calibration):
     assert n == 4 * 64 and h.dtype == torch.float32
     x = x.double()  # H: a float64 sum (in another order than this one) rounded once to fp32
     expected = 2 * x.T @ x / n
-    bound = torch.finfo(torch.float32).eps / 2 * expected.abs() + reorder_bound(n, 2 * x.abs().T @ x.abs() / n,
-                                                                                torch.float64)
+    bound = torch.finfo(torch.float32).eps / 2 * expected.abs() + reorder_bound(
+        n, 2 * x.abs().T @ x.abs() / n, torch.float64
+    )
     assert_within(h.double(), expected, bound)
 
 
@@ -356,30 +364,35 @@ def test_calibration_blocks_are_deterministic_non_overlapping_windows():
     assert blocks.shape == (3, 16) and blocks.dtype == torch.long
     assert torch.equal(blocks, quant.calibration_blocks(CharTokenizer(), texts, 3, 16, seed=1))
     stream = [t for text in texts for t in [ord(c) for c in text] + [0]]
-    starts = [next(i for i in range(0, len(stream), 16) if stream[i:i + 16] == row.tolist()) for row in blocks]
+    starts = [next(i for i in range(0, len(stream), 16) if stream[i : i + 16] == row.tolist()) for row in blocks]
     assert len(set(starts)) == 3
     with pytest.raises(ValueError, match="fewer than the 9"):
         quant.calibration_blocks(CharTokenizer(), texts, n_blocks=9, block_size=16)
 
 
 def test_bits_per_weight_counts_scales_zeros_and_g_idx():
-    assert quant.bits_per_weight(QuantConfig(bits=4, group_size=64), 576, 576) == pytest.approx(
-        4 + 20 / 64 + 32 / 576)
+    assert quant.bits_per_weight(QuantConfig(bits=4, group_size=64), 576, 576) == pytest.approx(4 + 20 / 64 + 32 / 576)
     assert quant.bits_per_weight(QuantConfig(bits=3, group_size=-1), 576, 1536) == pytest.approx(
-        3 + 19 / 576 + 32 / 1536)
+        3 + 19 / 576 + 32 / 1536
+    )
 
 
 # ----------------------------------------------------------------------------- checkpoints
 
 
 def test_checkpoint_round_trip_is_exact_in_fp32(tiny, calibration, tmp_path):
-    qm = quant.quantize_model(tiny, QuantConfig(bits=4, group_size=32, act_order=True), calibration,
-                              progress=False)
+    qm = quant.quantize_model(tiny, QuantConfig(bits=4, group_size=32, act_order=True), calibration, progress=False)
     quant.save_gptq(qm, None, tmp_path / "q", dtype=torch.float32)
     config = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
     assert config | {"meta": None} == config | {
-        "quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": True,
-        "checkpoint_format": "gptq", "meta": None}
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": 32,
+        "desc_act": True,
+        "sym": True,
+        "checkpoint_format": "gptq",
+        "meta": None,
+    }
     tensors = load_file(tmp_path / "q" / "model.safetensors")
     assert "model.layers.0.self_attn.q_proj.weight" not in tensors
     assert tensors["model.layers.0.self_attn.q_proj.qweight"].shape == (64 * 4 // 32, 64)
@@ -435,8 +448,9 @@ def test_a_labkit_checkpoint_loads_through_transformers(tiny, calibration, tmp_p
     # every decoder linear (7 per block) runs one CPU kernel: ATen's int4 matmul, or plain torch for 3 bits
     kernel = {4: "TorchAtenLinear (gptq_torch_aten)", 3: "TorchLinear (gptq_torch)"}[bits]
     assert quant.gptq_kernels(hf) == {kernel: 7 * hf.config.num_hidden_layers}
-    theirs = quant.unpack_weight({k: getattr(module, k) for k in ("qweight", "qzeros", "scales", "g_idx")},
-                                 bits, module.in_features, v1=False)  # GPTQModel converts to v2 on load
+    theirs = quant.unpack_weight(
+        {k: getattr(module, k) for k in ("qweight", "qzeros", "scales", "g_idx")}, bits, module.in_features, v1=False
+    )  # GPTQModel converts to v2 on load
     ours = qm.weights["model.layers.1.mlp.down_proj"]
     assert torch.equal(theirs.codes, ours.codes) and torch.equal(theirs.zeros, ours.zeros)
     ids = calibration[:2]

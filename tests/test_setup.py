@@ -71,12 +71,14 @@ def test_no_front_door_sets_build_cuda_ext():
 
 # ----------------------------------------------------------------------------- a shared venv (VENV=)
 
+
 def _make(cwd: Path, *args: str) -> str:
     # the Makefile and pyproject.toml alone, away from the outer make (`make test`) and its flags
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
     env["LC_ALL"] = "C"  # make's own messages in English
-    proc = subprocess.run(["make", *args, f"PYTHON={sys.executable}"], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["make", *args, f"PYTHON={sys.executable}"], cwd=cwd, env=env, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout + proc.stderr
 
@@ -104,7 +106,7 @@ def test_a_set_up_venv_is_used_not_reinstalled_from_a_newer_clone(clone_and_venv
     clone, venv = clone_and_venv
     _make(clone, "setup", f"VENV={venv}")  # the first setup, with the logging python
     calls = (venv / "calls.log").read_text()
-    assert '-m pip install --quiet -c' in calls and "-e .[dev,gptq]" in calls, calls
+    assert "-m pip install --quiet -c" in calls and "-e .[dev,gptq]" in calls, calls
 
     # a fresh clone: its files are newer than everything in the venv
     earlier = (clone / "pyproject.toml").stat().st_mtime - 3600

@@ -32,11 +32,14 @@ def test_a_marked_region_becomes_a_stub_at_its_indentation():
     assert student.strip_solutions("x = 1\n") == ("x = 1\n", 0)
 
 
-@pytest.mark.parametrize("source, problem", [
-    ("# BEGIN SOLUTION\nx = 1\n", "never closed"),
-    ("x = 1\n# END SOLUTION\n", "without a"),
-    ("# BEGIN SOLUTION\n# BEGIN SOLUTION\n# END SOLUTION\n", "inside a solution region"),
-])
+@pytest.mark.parametrize(
+    "source, problem",
+    [
+        ("# BEGIN SOLUTION\nx = 1\n", "never closed"),
+        ("x = 1\n# END SOLUTION\n", "without a"),
+        ("# BEGIN SOLUTION\n# BEGIN SOLUTION\n# END SOLUTION\n", "inside a solution region"),
+    ],
+)
 def test_unbalanced_markers_are_errors_that_name_the_place(source, problem):
     with pytest.raises(ValueError, match=problem):
         student.strip_solutions(source, "lab.ipynb, cell 3")
@@ -60,8 +63,9 @@ def test_a_failed_build_leaves_the_previous_one(tmp_path):
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(SOLVED)])
     nbformat.write(nb, str(good / "a.ipynb"))
     student.build_student(good, tmp_path / "out")
-    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("# BEGIN SOLUTION\n")]),
-                   str(good / "b.ipynb"))
+    nbformat.write(
+        nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("# BEGIN SOLUTION\n")]), str(good / "b.ipynb")
+    )
     with pytest.raises(ValueError, match="b.ipynb, cell 0"):
         student.build_student(good, tmp_path / "out")
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["a.ipynb"]
@@ -75,9 +79,10 @@ def test_the_student_lab_runs_up_to_its_first_exercise_and_the_check_names_it(tm
     student.build_student(LABS, tmp_path / "student")
     nb = nbformat.read(str(tmp_path / "student" / "01_data_and_tokenization.ipynb"), as_version=4)
     first = next(i for i, c in enumerate(nb.cells) if student.STUB in c.source)
-    nb.cells = nb.cells[:first + 2]  # everything before the exercise, the exercise, and its check
-    client = NotebookClient(nb, timeout=600, kernel_name="python3",
-                            resources={"metadata": {"path": str(tmp_path / "student")}})
+    nb.cells = nb.cells[: first + 2]  # everything before the exercise, the exercise, and its check
+    client = NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path / "student")}}
+    )
     with pytest.raises(CellExecutionError) as failure:
         client.execute()
     assert "CheckFailed" in str(failure.value) and "not written yet" in str(failure.value)

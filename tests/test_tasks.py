@@ -79,13 +79,20 @@ def test_answer_loss_counts_answer_tokens_only_whatever_the_batching():
     for ex in examples:  # one at a time: no padding at all
         losses.append(tasks.answer_loss(model, Tok(), [ex], batch_size=1, max_length=128))
         counts.append(len(ex.answer) + 1)  # the answer's tokens and the end token
-    assert batched == pytest.approx(sum(l * n for l, n in zip(losses, counts)) / sum(counts), rel=1e-5)
+    assert batched == pytest.approx(sum(loss * n for loss, n in zip(losses, counts)) / sum(counts), rel=1e-5)
     changed = [tasks.Example("another prompt entirely", ex.answer) for ex in examples]
     assert tasks.answer_loss(model, Tok(), changed, batch_size=2) != pytest.approx(batched)  # the prompt conditions it
 
 
-@pytest.mark.parametrize("pred, answer, same", [("The Beatles.", "the beatles", True), ("Paris", "Paris, France", False),
-                                                ("  Angkor   Wat ", "Angkor Wat", True), ("Album", "Albums", False)])
+@pytest.mark.parametrize(
+    "pred, answer, same",
+    [
+        ("The Beatles.", "the beatles", True),
+        ("Paris", "Paris, France", False),
+        ("  Angkor   Wat ", "Angkor Wat", True),
+        ("Album", "Albums", False),
+    ],
+)
 def test_normalize_for_exact_match(pred, answer, same):
     assert (tasks.normalize(pred) == tasks.normalize(answer)) is same
 

@@ -3,7 +3,8 @@
 import json
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from labkit import tokenizer as T
 from labkit.data import load_corpus
@@ -30,7 +31,9 @@ def test_merges_equal_huggingface_tokenizers(corpus, bpe):
 unicode_text = st.lists(
     st.one_of(
         st.text(st.characters(blacklist_categories=("Cs",)), max_size=20),  # any code point but surrogates
-        st.sampled_from(["é", "e\u0301", "🦙", "👩\u200d👩\u200d👧", "中文", "  ", "\n\n", "\t", "'s", "<|endoftext|>"]),
+        st.sampled_from(
+            ["é", "e\u0301", "🦙", "👩\u200d👩\u200d👧", "中文", "  ", "\n\n", "\t", "'s", "<|endoftext|>"]
+        ),
     ),
     max_size=12,
 ).map("".join)

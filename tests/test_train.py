@@ -1,6 +1,5 @@
 """The trainer: schedules, exact accumulation, precision policy, checkpoints, and resume after kill -9."""
 
-import json
 import math
 import os
 import signal
@@ -15,8 +14,19 @@ import torch
 from labkit import precision, shards
 from labkit.bench import read_results
 from labkit.models import tiny_gpt2, tiny_llama
-from labkit.train import (TrainConfig, accumulate_gradients, as_batch, fit, latest_checkpoint, load_checkpoint,
-                          loss_sum, lr_at, make_optimizer, save_checkpoint, train_step)
+from labkit.train import (
+    TrainConfig,
+    accumulate_gradients,
+    as_batch,
+    fit,
+    latest_checkpoint,
+    load_checkpoint,
+    loss_sum,
+    lr_at,
+    make_optimizer,
+    save_checkpoint,
+    train_step,
+)
 from tests.numerics import FLOAT64
 from tests.permissions import UMASK_CASES, modes, umask
 
@@ -35,14 +45,17 @@ def test_schedules():
     assert {lr_at(s, const) for s in range(5)} == {0.3}
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"accum_steps": 0}, "accumulation steps must be >= 1"),
-    ({"schedule": "step"}, "unknown schedule"),
-    ({"warmup_steps": 20}, "warmup_steps"),
-    ({"precision": "fp8"}, "unknown precision"),
-    ({"min_lr": 1.0}, "min_lr <= lr"),
-    ({"grad_clip": 0}, "grad_clip"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"accum_steps": 0}, "accumulation steps must be >= 1"),
+        ({"schedule": "step"}, "unknown schedule"),
+        ({"warmup_steps": 20}, "warmup_steps"),
+        ({"precision": "fp8"}, "unknown precision"),
+        ({"min_lr": 1.0}, "min_lr <= lr"),
+        ({"grad_clip": 0}, "grad_clip"),
+    ],
+)
 def test_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         TrainConfig(steps=10, **kwargs)
@@ -169,8 +182,9 @@ def test_memory_figure_is_the_peak_of_each_step(data):
 
 def test_checkpoint_round_trip_and_errors(data, tmp_path):
     model = tiny_gpt2(vocab_size=128)
-    cfg = TrainConfig(steps=4, checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=2, keep_checkpoints=1,
-                      progress=False)
+    cfg = TrainConfig(
+        steps=4, checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=2, keep_checkpoints=1, progress=False
+    )
     fit(model, shards.make_loader(data, 16, 4), cfg)
     assert [p.name for p in (tmp_path / "ck").iterdir()] == ["step_000004"]  # older ones pruned
     path = latest_checkpoint(tmp_path / "ck")
@@ -285,10 +299,22 @@ def test_checkpoints_get_the_modes_the_umask_gives(tmp_path, mask, file_mode, di
     model(torch.arange(8)[None], labels=torch.arange(8)[None]).loss.backward()
     optimizer.step()  # so that the optimizer has state to save
     with umask(mask):
-        save_checkpoint(tmp_path / "ck", model, optimizer, torch.amp.GradScaler("cpu", enabled=False), 1,
-                        {"epoch": 0, "index": 1}, cfg)
+        save_checkpoint(
+            tmp_path / "ck",
+            model,
+            optimizer,
+            torch.amp.GradScaler("cpu", enabled=False),
+            1,
+            {"epoch": 0, "index": 1},
+            cfg,
+        )
     step = "step_000001"
-    assert modes(tmp_path / "ck") == {".": dir_mode, step: dir_mode, f"{step}/model.safetensors": file_mode,
-                                      f"{step}/optimizer.safetensors": file_mode,
-                                      f"{step}/rng.safetensors": file_mode, f"{step}/trainer.json": file_mode,
-                                      f"{step}/labkit-manifest.json": file_mode}
+    assert modes(tmp_path / "ck") == {
+        ".": dir_mode,
+        step: dir_mode,
+        f"{step}/model.safetensors": file_mode,
+        f"{step}/optimizer.safetensors": file_mode,
+        f"{step}/rng.safetensors": file_mode,
+        f"{step}/trainer.json": file_mode,
+        f"{step}/labkit-manifest.json": file_mode,
+    }

@@ -22,12 +22,18 @@ def main() -> None:
         rows = []
         for mb in args.megabytes:
             numel = int(mb * 2**20 / 4)  # fp32
-            rows.append({"bytes": numel * 4, "seconds": time_all_reduce(numel, device, args.repeats),
-                         "ring_seconds": time_all_reduce(numel, device, args.repeats, all_reduce=ring_all_reduce_)})
+            rows.append(
+                {
+                    "bytes": numel * 4,
+                    "seconds": time_all_reduce(numel, device, args.repeats),
+                    "ring_seconds": time_all_reduce(numel, device, args.repeats, all_reduce=ring_all_reduce_),
+                }
+            )
         save_result({"rank": rank, "world": world, "device": str(device), "rows": rows})
         if args.log and rank == 0:
-            log_result(args.log, {"benchmark": "all_reduce", "world": world, "backend": dist.get_backend(),
-                                  "rows": rows})
+            log_result(
+                args.log, {"benchmark": "all_reduce", "world": world, "backend": dist.get_backend(), "rows": rows}
+            )
 
 
 if __name__ == "__main__":

@@ -37,8 +37,13 @@ def main() -> None:
             raise ValueError(f"boom from rank {rank}")
         if rank == args.hang_rank:
             time.sleep(3600)  # a dead-locked rank: the launcher's timeout must end the job
-        base = tiny_llama(vocab_size=128, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
-                          intermediate_size=64, seed=0).double().to(device)
+        base = (
+            tiny_llama(
+                vocab_size=128, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64, seed=0
+            )
+            .double()
+            .to(device)
+        )
         batch = torch.randint(0, 128, (2 * world, 17), generator=torch.Generator().manual_seed(1)).to(device)
         mine = batch[rank * 2 : rank * 2 + 2]  # equal token counts per rank: mean of means = global mean
 
@@ -63,7 +68,11 @@ def main() -> None:
         ring_all_reduce_(ring)
         dist.all_reduce(library)
         result = {
-            "rank": rank, "world": world, "device": str(device), "buckets": len(bucketed.buckets), "ring_elements": ring.numel(),
+            "rank": rank,
+            "world": world,
+            "device": str(device),
+            "buckets": len(bucketed.buckets),
+            "ring_elements": ring.numel(),
             "ring_vs_all_reduce": (ring - library).abs().max().item(),
             "ddp_vs_single_batch": (grads(ddp.module) - grads(ref)).abs().max().item(),
             "naive_vs_ddp": (grads(naive) - grads(ddp.module)).abs().max().item(),
@@ -81,11 +90,18 @@ def main() -> None:
                 loss_of(model, x).backward()
                 opt.step()
         params = torch.cat([p.detach().flatten() for p in ddp.module.parameters()])
-        save_result({
-            **result,
-            "params_after_steps_vs_single": (params - torch.cat([p.detach().flatten() for p in single.parameters()])).abs().max().item(),
-            "params_sha256": hashlib.sha256(params.cpu().numpy().tobytes()).hexdigest(),
-        })
+        save_result(
+            {
+                **result,
+                "params_after_steps_vs_single": (
+                    params - torch.cat([p.detach().flatten() for p in single.parameters()])
+                )
+                .abs()
+                .max()
+                .item(),
+                "params_sha256": hashlib.sha256(params.cpu().numpy().tobytes()).hexdigest(),
+            }
+        )
 
 
 if __name__ == "__main__":

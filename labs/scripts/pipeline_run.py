@@ -29,12 +29,21 @@ def main() -> None:
     with rank_context() as (rank, world, device):
         if args.schedule == "1f1b" and args.microbatches < world:
             raise ValueError(f"1F1B needs at least as many micro-batches as stages ({world}), got {args.microbatches}")
-        model = tiny_llama(vocab_size=512, hidden_size=args.hidden, num_layers=args.layers, num_heads=4,
-                           num_kv_heads=2, intermediate_size=3 * args.hidden, max_position_embeddings=args.seq,
-                           tie_word_embeddings=False, seed=0).to(device)
+        model = tiny_llama(
+            vocab_size=512,
+            hidden_size=args.hidden,
+            num_layers=args.layers,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=3 * args.hidden,
+            max_position_embeddings=args.seq,
+            tie_word_embeddings=False,
+            seed=0,
+        ).to(device)
         model.train()
-        batch = torch.randint(0, 512, (args.microbatches * args.microbatch_size, args.seq + 1),
-                              generator=torch.Generator().manual_seed(1)).to(device)
+        batch = torch.randint(
+            0, 512, (args.microbatches * args.microbatch_size, args.seq + 1), generator=torch.Generator().manual_seed(1)
+        ).to(device)
         x, y = batch[:, :-1], batch[:, 1:]
 
         def loss_fn(logits, target):
@@ -47,7 +56,8 @@ def main() -> None:
         stage_module = LlamaStage(model, rank, world)
         stage = PipelineStage(stage_module, stage_index=rank, num_stages=world, device=device)
         schedule = (ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B)(
-            stage, n_microbatches=args.microbatches, loss_fn=loss_fn)
+            stage, n_microbatches=args.microbatches, loss_fn=loss_fn
+        )
 
         def step():
             losses = []
@@ -61,13 +71,17 @@ def main() -> None:
 
         losses = step()
         ref_grads = dict(reference.named_parameters())
-        grad_diff = max((p.grad - ref_grads[n].grad).abs().max().item()
-                        for n, p in model.named_parameters() if p.grad is not None)
+        grad_diff = max(
+            (p.grad - ref_grads[n].grad).abs().max().item() for n, p in model.named_parameters() if p.grad is not None
+        )
         loss_diff = abs(torch.stack(losses).mean().item() - ref_loss.item()) if losses else None
 
         # What one micro-batch leaves in memory for backward on this stage.
-        inputs = x[: args.microbatch_size] if rank == 0 else torch.randn(
-            args.microbatch_size, args.seq, args.hidden, device=device, requires_grad=True)
+        inputs = (
+            x[: args.microbatch_size]
+            if rank == 0
+            else torch.randn(args.microbatch_size, args.seq, args.hidden, device=device, requires_grad=True)
+        )
         activation_bytes = saved_activation_bytes(stage_module, inputs)
         model.zero_grad(set_to_none=True)
 
@@ -78,10 +92,19 @@ def main() -> None:
             torch.distributed.barrier()
             step()
         events = timeline.events()
-        save_result({"rank": rank, "world": world, "schedule": args.schedule, "microbatches": args.microbatches,
-                     "max_grad_diff": grad_diff, "loss_diff": loss_diff, "events": events,
-                     "activation_bytes_per_microbatch": activation_bytes,
-                     "max_in_flight": max_in_flight(events, rank)})
+        save_result(
+            {
+                "rank": rank,
+                "world": world,
+                "schedule": args.schedule,
+                "microbatches": args.microbatches,
+                "max_grad_diff": grad_diff,
+                "loss_diff": loss_diff,
+                "events": events,
+                "activation_bytes_per_microbatch": activation_bytes,
+                "max_in_flight": max_in_flight(events, rank),
+            }
+        )
 
 
 if __name__ == "__main__":

@@ -19,9 +19,15 @@ def main() -> None:
         full = fc2(F.gelu(fc1(x)))
         a, b = megatron_mlp_shard(fc1, fc2, rank, world)
         split = tensor_parallel_mlp(x, a.to(device), b.to(device))
-        save_result({"rank": rank, "world": world, "max_diff": (split - full).abs().max().item(),
-                     "shard_params": sum(p.numel() for p in (*a.parameters(), *b.parameters())),
-                     "full_params": sum(p.numel() for p in (*fc1.parameters(), *fc2.parameters()))})
+        save_result(
+            {
+                "rank": rank,
+                "world": world,
+                "max_diff": (split - full).abs().max().item(),
+                "shard_params": sum(p.numel() for p in (*a.parameters(), *b.parameters())),
+                "full_params": sum(p.numel() for p in (*fc1.parameters(), *fc2.parameters())),
+            }
+        )
 
 
 if __name__ == "__main__":

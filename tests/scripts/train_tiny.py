@@ -1,6 +1,6 @@
 """Train a tiny GPT-2 (with dropout) from shards under labkit.train.fit; used by the kill -9 resume test.
 
-    python tests/scripts/train_tiny.py WORKDIR LOG [--steps N] [--delay SECONDS]
+python tests/scripts/train_tiny.py WORKDIR LOG [--steps N] [--delay SECONDS]
 """
 
 import argparse
@@ -40,8 +40,16 @@ def main() -> None:
         paths = shards.write_shards(stream, work / "data", 2000, vocab_size=128, tokenizer="synthetic")
     loader = Slow(shards.make_loader(paths, block_size=16, batch_size=4, seed=1), args.delay)
     model = tiny_gpt2(vocab_size=128, hidden_size=32, num_layers=2, num_heads=2, seed=0)
-    cfg = TrainConfig(steps=args.steps, lr=3e-3, warmup_steps=3, accum_steps=2, checkpoint_dir=str(work / "ckpt"),
-                      checkpoint_every=4, log_path=args.log, progress=False)
+    cfg = TrainConfig(
+        steps=args.steps,
+        lr=3e-3,
+        warmup_steps=3,
+        accum_steps=2,
+        checkpoint_dir=str(work / "ckpt"),
+        checkpoint_every=4,
+        log_path=args.log,
+        progress=False,
+    )
     fit(model, loader, cfg)
 
 
