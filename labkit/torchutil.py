@@ -1,0 +1,72 @@
+"""Small torch and library idioms that several techniques need, written once.
+
+Each one leaves the process as it found it: a model's train/eval mode, environment variables,
+what a library prints. That is what lets a lab call techniques in any order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+
+_DECODER_PATHS = ("model.layers", "model.decoder.layers", "gpt_neox.layers", "transformer.h")
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The repeated transformer blocks of a causal LM (Llama/SmolLM2, OPT, GPT-NeoX, GPT-2, Qwen, Mistral ...)."""
+    for path in _DECODER_PATHS:
+        obj: Any = model
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+        if isinstance(obj, nn.ModuleList) and len(obj) > 0:
+            return obj
+    looked = ", ".join(_DECODER_PATHS)
+    raise ValueError(f"cannot find the decoder blocks of {type(model).__name__} (looked for {looked})")
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """Dropout off for a measurement, then the model's train/eval mode as it was (also after an error)."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
+@contextlib.contextmanager
+def environ(**values: str) -> Iterator[None]:
+    """Set environment variables for the duration of a call and restore them after (unset stays unset)."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextlib.contextmanager
+def quiet(what: str, *, ignore_warnings: tuple[str, ...] = ()) -> Iterator[None]:
+    """Hold back what a library prints (banners, progress lines); if `what` fails, raise with the output's end.
+
+    `ignore_warnings` are message regexes of warnings that say nothing to the reader; others still show.
+    """
+    log = io.StringIO()
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            for message in ignore_warnings:
+                warnings.filterwarnings("ignore", message=message)
+            yield
+    except Exception as err:
+        raise RuntimeError(f"{what} failed; its output ends with:\n{log.getvalue()[-3000:]}") from err

@@ -1,0 +1,56 @@
+"""The shared idioms: each leaves the process as it found it."""
+
+import os
+import sys
+import warnings
+
+import pytest
+from torch import nn
+
+from labkit import torchutil
+from labkit.models import tiny_gpt2, tiny_llama
+
+
+def test_decoder_layers_finds_llama_and_gpt2_blocks_and_names_what_it_looked_for():
+    llama, gpt2 = tiny_llama(), tiny_gpt2()
+    assert torchutil.decoder_layers(llama) is llama.model.layers
+    assert torchutil.decoder_layers(gpt2) is gpt2.transformer.h
+    with pytest.raises(ValueError, match="Linear.*model.layers"):
+        torchutil.decoder_layers(nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_eval_mode_turns_dropout_off_and_restores_the_mode_even_after_an_error(training):
+    model = nn.Sequential(nn.Dropout(0.5))
+    model.train(training)
+    with torchutil.eval_mode(model):
+        assert not model[0].training
+    assert model[0].training is training
+    with pytest.raises(KeyError), torchutil.eval_mode(model):
+        raise KeyError("boom")
+    assert model[0].training is training
+
+
+def test_environ_sets_for_the_call_and_restores_set_and_unset_variables(monkeypatch):
+    monkeypatch.setenv("LABKIT_TEST_SET", "before")
+    monkeypatch.delenv("LABKIT_TEST_UNSET", raising=False)
+    with pytest.raises(RuntimeError), torchutil.environ(LABKIT_TEST_SET="during", LABKIT_TEST_UNSET="1"):
+        assert (os.environ["LABKIT_TEST_SET"], os.environ["LABKIT_TEST_UNSET"]) == ("during", "1")
+        raise RuntimeError
+    assert os.environ["LABKIT_TEST_SET"] == "before"
+    assert "LABKIT_TEST_UNSET" not in os.environ
+
+
+def test_quiet_holds_back_output_and_named_warnings_and_shows_the_output_on_failure(capsys):
+    with torchutil.quiet("library"):
+        print("banner")
+        print("progress", file=sys.stderr)
+    assert capsys.readouterr() == ("", "")
+    with pytest.warns(UserWarning, match="signal"), torchutil.quiet("library", ignore_warnings=("noise.*",)):
+        warnings.warn("noise from the library", UserWarning, stacklevel=1)
+        warnings.warn("signal the reader needs", UserWarning, stacklevel=1)
+    with pytest.raises(RuntimeError, match=r"loading failed; its output ends with:\nstep 3 of 4") as err:
+        with torchutil.quiet("loading"):
+            print("step 3 of 4")
+            raise OSError("disk")
+    assert isinstance(err.value.__cause__, OSError)
