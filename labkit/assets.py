@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from labkit import __version__
+
 CACHE_ENV_VAR = "LABKIT_CACHE"
 MANIFEST = "labkit-manifest.json"
 
@@ -253,8 +255,6 @@ def write_manifest(directory: Path, source: str) -> Path:
         for p in sorted(directory.iterdir())
         if p.is_file() and p.name != MANIFEST
     }
-    from labkit import __version__
-
     manifest = {"source": source, "labkit": __version__, "created": time.time(), "files": files}
     return atomic_write_text(directory / MANIFEST, json.dumps(manifest, indent=1))
 
@@ -314,6 +314,8 @@ def cached_build(dest: Path, build: Callable[[Path], None], source: str) -> Path
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantize a GGUF checkpoint into an fp32 safetensors directory that transformers reloads fast."""
+    # torch and transformers only for this one-time conversion: `labkit doctor` imports this module and
+    # must work, and report, even where they are missing or broken.
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -362,17 +364,3 @@ def offline_model_status(name: str) -> str:
 def dir_bytes(path: Path) -> int:
     """Total size of the files under `path`."""
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def prepare() -> list[dict]:
-    """Stage every offline asset (convert the model, check the corpus); report what is where."""
-    report = []
-    for name in OFFLINE_MODELS:
-        path = offline_model_dir(name)
-        report.append({"asset": f"model {name}", "path": str(path), "bytes": dir_bytes(path)})
-    from labkit.data import load_documents
-
-    n = len(load_documents("wiki", split="all"))
-    corpus = WIKI_SUMMARIES.path()
-    report.append({"asset": f"corpus wiki ({n} articles)", "path": str(corpus), "bytes": corpus.stat().st_size})
-    return report

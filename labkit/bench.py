@@ -533,13 +533,23 @@ class RunInfo:
     time: float = field(default_factory=time.time)
 
 
+@functools.lru_cache(maxsize=1)
+def cpu_model() -> str:
+    """The CPU's marketing name, from /proc/cpuinfo or platform."""
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8", errors="replace"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def device_name(device: str | torch.device | None = None) -> str:
     """'NVIDIA H100 80GB HBM3' on a GPU, else the CPU model and core count."""
     dev = as_device(device)
     if dev.type == "cuda":
         return torch.cuda.get_device_name(dev)
-    from labkit.env import cpu_model
-
     return f"CPU: {cpu_model()} ({os.cpu_count()} logical cores)"
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from labkit import bench, distributed, evaluate, lora, pipeline, precision, prune, quant, shards, tokenizer, train
+from labkit import bench, data, distributed, evaluate, lora, pipeline, precision, prune, quant, tokenizer, train
 
 
 class CheckFailed(AssertionError):
@@ -187,7 +187,7 @@ def check_pack_blocks(fn: Callable[[list[int], int], list[list[int]]]) -> str:
     exercise = "exercise 01.2 (packing a stream into blocks)"
     cases = [(list(range(10)), 4), (list(range(8)), 4), (list(range(5)), 5), (list(range(7)), 1)]
     for stream, size in cases:
-        expected = shards.pack_blocks(np.array(stream), size).tolist()
+        expected = data.pack_blocks(np.array(stream), size).tolist()
         got = _call(exercise, fn, list(stream), size)
         got = _rows(got, list)
         if got != expected:

@@ -11,6 +11,9 @@ from pathlib import Path
 
 LABS_DIR = Path(__file__).resolve().parent.parent / "labs"
 
+# Each command imports the labkit modules it needs inside its function: `labkit slurm` on a login node
+# or `labkit --help` should not pay for importing torch and transformers.
+
 
 def _doctor(args: argparse.Namespace) -> int:
     from labkit import env
@@ -20,12 +23,27 @@ def _doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stage_assets() -> list[dict]:
+    """Stage every offline asset (convert the model, check the corpus); report what is where."""
+    from labkit import assets
+    from labkit.data import load_documents
+
+    report = []
+    for name in assets.OFFLINE_MODELS:
+        path = assets.offline_model_dir(name)
+        report.append({"asset": f"model {name}", "path": str(path), "bytes": assets.dir_bytes(path)})
+    n = len(load_documents("wiki", split="all"))
+    corpus = assets.WIKI_SUMMARIES.path()
+    report.append({"asset": f"corpus wiki ({n} articles)", "path": str(corpus), "bytes": corpus.stat().st_size})
+    return report
+
+
 def _prepare(args: argparse.Namespace) -> int:
     from labkit import assets
     from labkit.bench import fmt_bytes
 
     try:
-        report = assets.prepare()
+        report = _stage_assets()
     except assets.AssetError as err:
         print(f"labkit prepare: {err}", file=sys.stderr)
         return 1

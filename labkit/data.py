@@ -1,12 +1,20 @@
-"""Corpora: the offline Wikipedia summaries or a local .txt/.jsonl file, split deterministically by document."""
+"""Corpora and the first steps from text to tokens, shared by every lab.
+
+The offline Wikipedia summaries or a local .txt/.jsonl file, split deterministically by document;
+then documents to token ids, one EOS-separated stream, full blocks, or right-padded batches.
+"""
 
 from __future__ import annotations
 
 import functools
 import hashlib
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
+import torch
 
 from labkit.assets import WIKI_SUMMARIES
 
@@ -101,3 +109,55 @@ def load_documents(name: str = "wiki", split: str = "train") -> list[Document]:
 def load_corpus(name: str = "wiki", split: str = "train") -> list[str]:
     """The texts of `load_documents(name, split)`: what tokenizers and perplexity take."""
     return [d.text for d in load_documents(name, split)]
+
+
+# ----------------------------------------------------------------------------- text to token blocks and batches
+
+
+def encode_texts(tokenizer, texts: Iterable[str]) -> list[list[int]]:
+    """Token ids per document, from a labkit BPETokenizer or a transformers tokenizer (no special tokens)."""
+    if hasattr(tokenizer, "special_ids"):  # labkit's BPETokenizer (lab 01), duck-typed as tokenize_to_shards does
+        return [tokenizer.encode(t) for t in texts]
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def concat_with_separator(docs: Sequence[Sequence[int]], eos_id: int) -> np.ndarray:
+    """One token stream: each document followed by the end-of-text id (how pretraining data is laid out)."""
+    if not docs:
+        raise ValueError("no documents to concatenate")
+    total = sum(len(d) + 1 for d in docs)
+    out, pos = np.empty(total, dtype=np.int64), 0
+    for d in docs:
+        out[pos : pos + len(d)] = d
+        out[pos + len(d)] = eos_id
+        pos += len(d) + 1
+    return out
+
+
+def pack_blocks(stream: np.ndarray, block_size: int) -> np.ndarray:
+    """Cut a token stream into full blocks of block_size (the tail that does not fill a block is dropped)."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    n = len(stream) // block_size
+    if n == 0:
+        raise ValueError(f"the stream has {len(stream)} tokens, fewer than one block of {block_size}")
+    return np.asarray(stream[: n * block_size]).reshape(n, block_size)
+
+
+def pad_batch(docs: Sequence[Sequence[int]], pad_id: int, max_length: int | None = None) -> dict[str, torch.Tensor]:
+    """Right-padded batch: input_ids, attention_mask (1 = real token) and labels (-100 on padding).
+
+    Padding instead of packing keeps documents apart at the cost of wasted positions; lab 03 uses
+    it to show why gradient accumulation must count target tokens, not sequences.
+    """
+    if not docs or any(len(d) == 0 for d in docs):
+        raise ValueError("pad_batch needs at least one document, and no empty ones")
+    length = max(len(d) for d in docs) if max_length is None else max_length
+    ids = torch.full((len(docs), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(docs), length), dtype=torch.long)
+    for i, d in enumerate(docs):
+        d = list(d)[:length]
+        ids[i, : len(d)] = torch.tensor(d)
+        mask[i, : len(d)] = 1
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}

@@ -7,7 +7,6 @@ import platform
 import shutil
 import subprocess
 import sys
-from functools import lru_cache
 from importlib import metadata
 from typing import Any
 
@@ -15,18 +14,7 @@ import psutil
 import torch
 
 from labkit import assets, profiles
-
-
-@lru_cache(maxsize=1)
-def cpu_model() -> str:
-    """The CPU's marketing name, from /proc/cpuinfo or platform."""
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8", errors="replace"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+from labkit.bench import cpu_model, fmt_bytes
 
 
 def cpu_features() -> dict[str, bool]:
@@ -143,8 +131,6 @@ def _corpus_status() -> str:
 
 def format_report(info: dict[str, Any]) -> str:
     """The report as aligned text, GPU-only facts marked as such on a CPU machine."""
-    from labkit.bench import fmt_bytes
-
     cpu = info["cpu"]
     feats = ", ".join(k for k, v in cpu["features"].items() if v) or "unknown"
     rows = [

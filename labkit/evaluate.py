@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -9,6 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
+
+from labkit.data import concat_with_separator, encode_texts
+from labkit.torchutil import eval_mode, seeded
 
 
 @dataclass
@@ -26,8 +30,6 @@ class Perplexity:
 
 def token_stream(tokenizer, texts: list[str]) -> list[int]:
     """Texts tokenized one by one (no special tokens) and joined, each followed by the EOS token."""
-    from labkit.shards import concat_with_separator, encode_texts
-
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no EOS token to separate documents")
     return concat_with_separator(encode_texts(tokenizer, texts), tokenizer.eos_token_id).tolist()
@@ -79,17 +81,13 @@ def perplexity(
     stream = torch.tensor(token_stream(tokenizer, texts), dtype=torch.long)
     cuts = windows(len(stream), max_length, stride)
     nll_sum, scored_total = 0.0, 0
-    was_training = model.training
-    model.eval()  # dropout off: a model handed over mid-training is scored as it would serve
-    try:
+    with eval_mode(model):  # dropout off: a model handed over mid-training is scored as it would serve
         for begin, end, scored in tqdm(cuts, desc="perplexity", disable=not progress, leave=False):
             ids = stream[begin:end].unsqueeze(0).to(device)
             logits = model(input_ids=ids).logits[0, :-1].float()
             targets = ids[0, 1:]
             nll_sum += F.cross_entropy(logits[-scored:], targets[-scored:], reduction="sum").item()
             scored_total += scored
-    finally:
-        model.train(was_training)
     mean = nll_sum / scored_total
     return Perplexity(perplexity=math.exp(mean), nll=mean, tokens=scored_total, windows=len(cuts))
 
@@ -128,11 +126,12 @@ def generate(
         if temperature > 0
         else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
     )
-    torch.manual_seed(seed)
-    out = model.generate(
-        **enc,
-        max_new_tokens=max_new_tokens,
-        pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
-        **sampling,
-    )
+    sampler_rng = seeded(seed, device) if temperature > 0 else contextlib.nullcontext()
+    with sampler_rng:  # sampling draws from `seed`; greedy draws nothing; the caller's RNG is left alone
+        out = model.generate(
+            **enc,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+            **sampling,
+        )
     return tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True).strip()

@@ -9,10 +9,8 @@ instead of in · out. Merging folds ΔW into W, so the adapted model costs nothi
 from __future__ import annotations
 
 import contextlib
-import io
 import math
 import statistics
-import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +20,7 @@ from torch import nn
 
 from labkit import assets, bench, tasks, train
 from labkit.models import count_parameters
+from labkit.torchutil import quiet
 
 ALL_LINEAR = "all-linear"
 
@@ -270,17 +269,12 @@ def finetune_and_score(
 # ----------------------------------------------------------------------------- PEFT
 
 
-@contextlib.contextmanager
-def _quiet_peft() -> Iterator[None]:
+def _quiet_peft() -> contextlib.AbstractContextManager[None]:
     """Silence what PEFT prints that says nothing about the adapters: importing peft imports GPTQModel when it
-    is installed (a banner of a dozen lines), and peft 0.21 calls a transformers-5 deprecated method."""
-    log = io.StringIO()
-    try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-            yield
-    except Exception as err:
-        raise RuntimeError(f"PEFT failed; its output ends with:\n{log.getvalue()[-3000:]}") from err
+    is installed (a banner of a dozen lines), and peft 0.21 calls a transformers-5 deprecated method.
+
+    peft is imported inside the functions that use it, under this guard, for that reason."""
+    return quiet("PEFT", ignore_warnings=(".*is_gradient_checkpointing.*",))
 
 
 def apply_peft(

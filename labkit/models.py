@@ -9,7 +9,10 @@ import torch
 from torch import nn
 
 from labkit import assets
+from labkit.torchutil import seeded
 
+# transformers is imported inside the functions that build a model or tokenizer: its model classes take
+# several seconds to import, which commands and ranks that never build one should not pay.
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -116,8 +119,8 @@ def tiny_llama(
         eos_token_id=1,
         pad_token_id=1,
     )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config).eval()
+    with seeded(seed):  # weights drawn from `seed`, the caller's RNG left as it was
+        return LlamaForCausalLM(config).eval()
 
 
 def lab_llama(vocab_size: int, profile, seed: int = 0) -> nn.Module:
@@ -154,5 +157,5 @@ def tiny_gpt2(
         bos_token_id=0,
         eos_token_id=1,
     )
-    torch.manual_seed(seed)
-    return GPT2LMHeadModel(config).eval()
+    with seeded(seed):
+        return GPT2LMHeadModel(config).eval()

@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import matplotlib
+import matplotlib.pyplot as plt
+from matplotlib.ticker import FixedLocator, NullLocator
 
 STYLE = {
     "figure.figsize": (7.0, 4.0),
@@ -26,8 +28,6 @@ def use_style() -> None:
 
 def size_axis(ax, sizes, label: str) -> None:
     """Log-2 x axis with one plain tick per measured size (32, 64, ..., 8192), not 3×10¹ labels."""
-    from matplotlib.ticker import FixedLocator, NullLocator
-
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_locator(FixedLocator(sorted(set(sizes))))
     ax.xaxis.set_minor_locator(NullLocator())
@@ -37,8 +37,6 @@ def size_axis(ax, sizes, label: str) -> None:
 
 def plot_matmul_sweep(results: list[dict[str, Any]], title: str = "Matmul throughput"):
     """Achieved TFLOP/s against matrix size, one line per dtype, dashed lines at the device peaks."""
-    import matplotlib.pyplot as plt
-
     use_style()
     fig, ax = plt.subplots()
     for i, dtype in enumerate(dict.fromkeys(r["dtype"] for r in results)):
@@ -59,8 +57,6 @@ def plot_training(
     runs: dict[str, list[dict[str, Any]]], keys: tuple[str, ...] = ("loss", "lr", "grad_norm"), title: str = "Training"
 ):
     """One panel per metric (fit()'s per-step records), one line per run, against the step."""
-    import matplotlib.pyplot as plt
-
     use_style()
     fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.6), squeeze=False)
     for ax, key in zip(axes[0], keys):

@@ -23,10 +23,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch_pruning as tp
 from safetensors.torch import load_file, save
 from torch import nn
+from torch.sparse import SparseSemiStructuredTensorCUSPARSELT, SparseSemiStructuredTensorCUTLASS
 
 from labkit import assets, bench
+from labkit.models import count_parameters
+from labkit.torchutil import eval_mode
 from labkit.train import DataStream, TrainConfig, fit
 
 SCOPES = ("layer", "global")
@@ -336,7 +340,8 @@ def prune_and_recover(
 # ----------------------------------------------------------------------------- structured
 
 
-def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+def _llama_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder blocks of a Llama-shaped model, the only shape structured pruning knows how to edit."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     config = getattr(model, "config", None)
     if (
@@ -353,9 +358,7 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 def model_shapes(model: nn.Module) -> dict[str, int]:
     """The sizes structured pruning changes, read from the modules themselves, and the parameter count."""
-    from labkit.models import count_parameters
-
-    layers = _decoder_layers(model)
+    layers = _llama_layers(model)
     attn = layers[0].self_attn
     return {
         "layers": len(layers),
@@ -385,17 +388,15 @@ def _importance_grads(model: nn.Module, importance: str, calibration: Sequence[t
         yield
         return
     device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()  # gradients of the model as it serves: dropout off
     model.zero_grad(set_to_none=True)
-    try:
-        for ids in calibration:
-            ids = ids.to(device)
-            (model(input_ids=ids, labels=ids).loss / len(calibration)).backward()
-        yield
-    finally:
-        model.zero_grad(set_to_none=True)
-        model.train(was_training)
+    with eval_mode(model):  # gradients of the model as it serves: dropout off
+        try:
+            for ids in calibration:
+                ids = ids.to(device)
+                (model(input_ids=ids, labels=ids).loss / len(calibration)).backward()
+            yield
+        finally:
+            model.zero_grad(set_to_none=True)
 
 
 def prune_mlp_channels(
@@ -413,11 +414,9 @@ def prune_mlp_channels(
     describes it. "magnitude" ranks a channel by the L2 norm of its weights; "taylor" by
     |weight × gradient|, a first-order estimate of the loss change, from `calibration` batches.
     """
-    import torch_pruning as tp
-
     _check_sparsity(ratio)
     _check_importance(importance, calibration)
-    layers = _decoder_layers(model)
+    layers = _llama_layers(model)
     if ratio == 0:
         return model_shapes(model)
     ignored = [model.get_output_embeddings()] + [
@@ -497,7 +496,7 @@ def prune_attention_heads(
     norm of its q_proj rows and o_proj columns ("magnitude") or the sum of |weight × gradient| over
     them ("taylor", from `calibration` batches).
     """
-    layers = _decoder_layers(model)
+    layers = _llama_layers(model)
     attn0 = layers[0].self_attn
     n_heads, d = attn0.q_proj.out_features // attn0.head_dim, attn0.head_dim
     n_groups = attn0.k_proj.out_features // d
@@ -548,8 +547,6 @@ def semi_structured_backend() -> str:
 
 
 def _semi_structured(weight: torch.Tensor) -> torch.Tensor:
-    from torch.sparse import SparseSemiStructuredTensorCUSPARSELT, SparseSemiStructuredTensorCUTLASS
-
     kind = {"cusparselt": SparseSemiStructuredTensorCUSPARSELT, "cutlass": SparseSemiStructuredTensorCUTLASS}
     return kind[semi_structured_backend()].from_dense(weight)
 
@@ -586,10 +583,10 @@ def semi_structured_speedup(
     reason = semi_structured_support(device)
     if reason:
         raise RuntimeError(reason)
-    torch.manual_seed(0)
-    weight = torch.randn(out_features, in_features, device=device, dtype=dtype)
+    g = torch.Generator(device).manual_seed(0)
+    weight = torch.randn(out_features, in_features, device=device, dtype=dtype, generator=g)
     weight *= nm_masks({"w": weight})["w"]
-    x = torch.randn(tokens, in_features, device=device, dtype=dtype)
+    x = torch.randn(tokens, in_features, device=device, dtype=dtype, generator=g)
     sparse = _semi_structured(weight)
     error = (torch.nn.functional.linear(x, sparse) - torch.nn.functional.linear(x, weight)).abs().max().item()
     t = bench.time_interleaved(

@@ -1,4 +1,4 @@
-"""Token data on disk and back: packing, padded batches, checked memory-mapped shards, a rank-aware loader.
+"""Token data on disk and back: checked memory-mapped shards and a rank-aware loader (packing is in data.py).
 
 A shard is `NAME.bin` (the raw token ids, uint16 when the vocabulary fits, else uint32) plus
 `NAME.json` (dtype, vocabulary size, token count, tokenizer fingerprint, SHA-256). The sidecar is
@@ -8,9 +8,10 @@ tokenizer and (by default) checksum before a single token is read.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -20,27 +21,16 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from labkit import bench
 from labkit.assets import atomic_write_bytes, atomic_write_text, cache_dir, sha256_file
+from labkit.data import concat_with_separator, encode_texts
+from labkit.tokenizer import BPETokenizer
 
 FORMAT = "labkit-shard-v1"
 
-# ----------------------------------------------------------------------------- tokenizing and packing
-
-
-def encode_texts(tokenizer, texts: Iterable[str]) -> list[list[int]]:
-    """Token ids per document, from a labkit BPETokenizer or a transformers tokenizer (no special tokens)."""
-    from labkit.tokenizer import BPETokenizer
-
-    if isinstance(tokenizer, BPETokenizer):
-        return [tokenizer.encode(t) for t in texts]
-    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+# ----------------------------------------------------------------------------- tokenizing into shards
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
     """A short digest identifying a tokenizer (labkit BPE or a transformers fast tokenizer) for shard sidecars."""
-    import hashlib
-
-    from labkit.tokenizer import BPETokenizer
-
     if isinstance(tokenizer, BPETokenizer):
         return tokenizer.fingerprint
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -55,48 +45,6 @@ def tokenize_to_shards(texts: Sequence[str], tokenizer, directory: str | Path, s
     vocab = tokenizer.vocab_size if hasattr(tokenizer, "special_ids") else len(tokenizer)
     stream = concat_with_separator(encode_texts(tokenizer, texts), eos)
     return write_shards(stream, directory, shard_tokens, vocab_size=vocab, tokenizer=tokenizer_fingerprint(tokenizer))
-
-
-def concat_with_separator(docs: Sequence[Sequence[int]], eos_id: int) -> np.ndarray:
-    """One token stream: each document followed by the end-of-text id (how pretraining data is laid out)."""
-    if not docs:
-        raise ValueError("no documents to concatenate")
-    total = sum(len(d) + 1 for d in docs)
-    out, pos = np.empty(total, dtype=np.int64), 0
-    for d in docs:
-        out[pos : pos + len(d)] = d
-        out[pos + len(d)] = eos_id
-        pos += len(d) + 1
-    return out
-
-
-def pack_blocks(stream: np.ndarray, block_size: int) -> np.ndarray:
-    """Cut a token stream into full blocks of block_size (the tail that does not fill a block is dropped)."""
-    if block_size < 1:
-        raise ValueError(f"block_size must be positive, got {block_size}")
-    n = len(stream) // block_size
-    if n == 0:
-        raise ValueError(f"the stream has {len(stream)} tokens, fewer than one block of {block_size}")
-    return np.asarray(stream[: n * block_size]).reshape(n, block_size)
-
-
-def pad_batch(docs: Sequence[Sequence[int]], pad_id: int, max_length: int | None = None) -> dict[str, torch.Tensor]:
-    """Right-padded batch: input_ids, attention_mask (1 = real token) and labels (-100 on padding).
-
-    Padding instead of packing keeps documents apart at the cost of wasted positions; lab 03 uses
-    it to show why gradient accumulation must count target tokens, not sequences.
-    """
-    if not docs or any(len(d) == 0 for d in docs):
-        raise ValueError("pad_batch needs at least one document, and no empty ones")
-    length = max(len(d) for d in docs) if max_length is None else max_length
-    ids = torch.full((len(docs), length), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(docs), length), dtype=torch.long)
-    for i, d in enumerate(docs):
-        d = list(d)[:length]
-        ids[i, : len(d)] = torch.tensor(d)
-        mask[i, : len(d)] = 1
-    labels = ids.masked_fill(mask == 0, -100)
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
 # ----------------------------------------------------------------------------- shards

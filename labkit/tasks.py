@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from labkit import evaluate
-from labkit.data import load_documents
-from labkit.shards import pad_batch
+from labkit.data import load_documents, pad_batch
+from labkit.torchutil import eval_mode
 
 TITLE_QUESTION = "Which Wikipedia article is this summary from? Answer with the title only."
 
@@ -98,15 +98,11 @@ def answer_loss(
 ) -> float:
     """Mean cross-entropy per answer token (prompt excluded): a cheap, smooth score beside exact match."""
     device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
     total, count = 0.0, 0
-    try:
+    with eval_mode(model):
         for batch in sft_batches(tokenizer, examples, batch_size, max_length):
             batch = {k: v.to(device) for k, v in batch.items()}
             n = int((batch["labels"][:, 1:] != -100).sum())  # HF shifts labels by one inside the model
             total += model(**batch).loss.item() * n
             count += n
-    finally:
-        model.train(was_training)
     return total / count

@@ -13,6 +13,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
 _DECODER_PATHS = ("model.layers", "model.decoder.layers", "gpt_neox.layers", "transformer.h")
@@ -30,6 +31,20 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     raise ValueError(f"cannot find the decoder blocks of {type(model).__name__} (looked for {looked})")
 
 
+def activation_checkpointing(model: nn.Module, on: bool | None = None) -> bool:
+    """Whether a transformers model recomputes activations in the backward; turn it on or off when `on` is given.
+
+    transformers 5 renamed gradient_checkpointing_* to activation_checkpointing_*; both are accepted.
+    """
+    new = hasattr(model, "activation_checkpointing_enable")
+    if not new and not hasattr(model, "gradient_checkpointing_enable"):
+        raise ValueError(f"activation checkpointing needs a transformers model, got {type(model).__name__}")
+    if on is not None:
+        prefix = "activation_checkpointing_" if new else "gradient_checkpointing_"
+        getattr(model, prefix + ("enable" if on else "disable"))()
+    return bool(model.is_activation_checkpointing if new else model.is_gradient_checkpointing)
+
+
 @contextlib.contextmanager
 def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
     """Dropout off for a measurement, then the model's train/eval mode as it was (also after an error)."""
@@ -39,6 +54,23 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
         yield model
     finally:
         model.train(was_training)
+
+
+@contextlib.contextmanager
+def seeded(seed: int, device: str | torch.device | None = None) -> Iterator[None]:
+    """Draw from torch's RNG seeded with `seed` inside the block, and give the caller's RNG state back after.
+
+    Covers the CPU generator and, when `device` is a GPU, that GPU's: what model initialization and
+    sampling on that device draw from.
+    """
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.default_generator.manual_seed(seed)
+        if cuda:
+            with torch.cuda.device(cuda[0]):
+                torch.cuda.manual_seed(seed)
+        yield
 
 
 @contextlib.contextmanager

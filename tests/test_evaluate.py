@@ -110,11 +110,13 @@ def test_default_model_perplexity_on_wiki_validation_is_in_range(default_model):
 def test_generation_is_reproducible_and_validated(default_model):
     model, tokenizer = default_model
     prompt = "Name a colour."
+    rng = torch.get_rng_state()
     assert evaluate.generate(model, tokenizer, prompt, max_new_tokens=8) == evaluate.generate(
         model, tokenizer, prompt, max_new_tokens=8
     )
     sampled = [evaluate.generate(model, tokenizer, prompt, max_new_tokens=8, temperature=1.0, seed=7) for _ in range(2)]
     assert sampled[0] == sampled[1]
+    assert torch.equal(torch.get_rng_state(), rng)  # greedy draws nothing; sampling draws from its own seed
     with pytest.raises(ValueError, match="max_new_tokens"):
         evaluate.generate(model, tokenizer, prompt, max_new_tokens=0)
     with pytest.raises(ValueError, match="temperature"):

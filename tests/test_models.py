@@ -18,6 +18,15 @@ def test_tiny_models_are_seeded_and_run(factory):
     assert not torch.equal(out, factory(seed=4)(input_ids=ids).logits)
 
 
+@pytest.mark.parametrize("factory", [models.tiny_llama, models.tiny_gpt2])
+def test_tiny_models_leave_the_callers_rng_alone(factory):
+    torch.manual_seed(11)
+    expected = torch.rand(3)  # what the caller's next draw is, with no model built in between
+    torch.manual_seed(11)
+    factory(seed=3)
+    assert torch.equal(torch.rand(3), expected)
+
+
 def test_count_parameters_counts_tied_weights_once():
     m = models.tiny_llama(
         vocab_size=100, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32

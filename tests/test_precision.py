@@ -11,6 +11,19 @@ import torch
 from labkit import bench, precision
 
 
+def test_precision_policy_and_formats():
+    with pytest.raises(ValueError, match="use 'bf16'"):
+        precision.policy("fp16", "cpu")
+    with pytest.raises(ValueError, match="TF32 needs"):
+        precision.policy("tf32", "cpu")
+    bf16 = precision.policy("bf16", "cpu")
+    assert bf16.autocast_dtype == torch.bfloat16 and not bf16.use_scaler
+    facts = {f["format"]: f for f in map(precision.format_facts, (torch.float32, torch.float16, torch.bfloat16))}
+    assert facts["float16"]["max"] == 65504 and facts["float16"]["smallest subnormal"] == 2**-24
+    assert facts["bfloat16"]["epsilon"] == 2**-7 and facts["bfloat16"]["exponent bits"] == 8
+    assert facts["float32"]["mantissa bits"] == 23
+
+
 def test_loss_scale_update_follows_torch_amp_step_by_step():
     flags = [False, False, True, False, False, False, False, True, True, False, False, False, False]
     scale, tracker = torch.tensor([65536.0]), torch.tensor([0], dtype=torch.int32)

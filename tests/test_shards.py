@@ -1,4 +1,4 @@
-"""Packing, padded batches, checked shards, and a loader that is seeded, rank-disjoint and complete."""
+"""Checked shards, and a loader that is seeded, rank-disjoint and complete."""
 
 import numpy as np
 import pytest
@@ -6,36 +6,6 @@ import torch
 
 from labkit import shards
 from tests.permissions import UMASK_CASES, modes, umask
-
-
-def test_concat_and_pack():
-    stream = shards.concat_with_separator([[5, 6], [7], [8, 9, 10]], eos_id=0)
-    assert stream.tolist() == [5, 6, 0, 7, 0, 8, 9, 10, 0]
-    blocks = shards.pack_blocks(stream, 4)
-    assert blocks.tolist() == [[5, 6, 0, 7], [0, 8, 9, 10]]  # the 1-token tail is dropped
-    with pytest.raises(ValueError, match="fewer than one block"):
-        shards.pack_blocks(stream, 10)
-    with pytest.raises(ValueError, match="no documents"):
-        shards.concat_with_separator([], 0)
-
-
-def test_pad_batch_masks_padding():
-    batch = shards.pad_batch([[1, 2, 3], [4]], pad_id=0)
-    assert batch["input_ids"].tolist() == [[1, 2, 3], [4, 0, 0]]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
-    assert batch["labels"].tolist() == [[1, 2, 3], [4, -100, -100]]
-    assert shards.pad_batch([[1, 2, 3]], 0, max_length=2)["input_ids"].tolist() == [[1, 2]]
-    with pytest.raises(ValueError, match="no empty"):
-        shards.pad_batch([[1], []], 0)
-
-
-def test_encode_texts_accepts_both_tokenizer_kinds(default_model):
-    from labkit.tokenizer import train_bpe
-
-    bpe = train_bpe(["hello world"] * 3, 270, progress=False)
-    assert shards.encode_texts(bpe, ["hello"]) == [bpe.encode("hello")]
-    _, hf = default_model
-    assert shards.encode_texts(hf, ["hello"]) == [hf("hello", add_special_tokens=False)["input_ids"]]
 
 
 @pytest.mark.parametrize("vocab, dtype", [(300, "uint16"), (65536, "uint16"), (70000, "uint32")])

@@ -19,6 +19,15 @@ def test_decoder_layers_finds_llama_and_gpt2_blocks_and_names_what_it_looked_for
         torchutil.decoder_layers(nn.Linear(2, 2))
 
 
+def test_activation_checkpointing_switches_a_transformers_model_and_refuses_others():
+    model = tiny_llama()
+    assert torchutil.activation_checkpointing(model) is False
+    assert torchutil.activation_checkpointing(model, on=True) is True and model.model.gradient_checkpointing
+    assert torchutil.activation_checkpointing(model, on=False) is False and not model.model.gradient_checkpointing
+    with pytest.raises(ValueError, match="transformers model, got Linear"):
+        torchutil.activation_checkpointing(nn.Linear(2, 2))
+
+
 @pytest.mark.parametrize("training", [True, False])
 def test_eval_mode_turns_dropout_off_and_restores_the_mode_even_after_an_error(training):
     model = nn.Sequential(nn.Dropout(0.5))

@@ -13,6 +13,7 @@ import torch
 
 from labkit import precision, shards
 from labkit.bench import read_results
+from labkit.data import pad_batch
 from labkit.models import tiny_gpt2, tiny_llama
 from labkit.train import (
     TrainConfig,
@@ -74,7 +75,7 @@ def _grads(model, micro, normalize="tokens"):
 
 
 def test_loss_sum_keeps_float64_and_lifts_bf16_logits_to_fp32():
-    batch = as_batch(shards.pad_batch(_variable_length_batch()[:3], pad_id=1), CPU)
+    batch = as_batch(pad_batch(_variable_length_batch()[:3], pad_id=1), CPU)
     model = tiny_llama().double()
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), reduction="sum")
@@ -87,8 +88,8 @@ def test_loss_sum_keeps_float64_and_lifts_bf16_logits_to_fp32():
 def test_accumulation_equals_one_big_batch_with_padding():
     model = tiny_llama().double()  # equal in exact arithmetic: compared in float64 (tests/numerics.py)
     docs = _variable_length_batch()
-    big = [as_batch(shards.pad_batch(docs, pad_id=1), CPU)]
-    micro = [as_batch(shards.pad_batch(docs[i : i + 2], pad_id=1), CPU) for i in range(0, 8, 2)]
+    big = [as_batch(pad_batch(docs, pad_id=1), CPU)]
+    micro = [as_batch(pad_batch(docs[i : i + 2], pad_id=1), CPU) for i in range(0, 8, 2)]
     reference = _grads(model, big)
     assert reference.dtype == torch.float64
     torch.testing.assert_close(_grads(model, micro), reference, **FLOAT64)
@@ -98,7 +99,7 @@ def test_accumulation_equals_one_big_batch_with_padding():
 
 def test_empty_window_and_bad_normalization_are_refused():
     model = tiny_llama()
-    batch = as_batch(shards.pad_batch([[5]], pad_id=1), CPU)  # one token: nothing to predict
+    batch = as_batch(pad_batch([[5]], pad_id=1), CPU)  # one token: nothing to predict
     with pytest.raises(ValueError, match="no target tokens"):
         accumulate_gradients(model, [batch], FP32)
     with pytest.raises(ValueError, match="normalize"):
@@ -128,19 +129,6 @@ def test_train_step_reports_pre_clip_norm_and_refuses_nan():
     nan_batch = as_batch((torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long)), CPU)
     with pytest.raises(FloatingPointError, match="non-finite loss"):
         train_step(model, opt, [nan_batch], FP32, FP32.scaler(), grad_clip=1.0)
-
-
-def test_precision_policy_and_formats():
-    with pytest.raises(ValueError, match="use 'bf16'"):
-        precision.policy("fp16", "cpu")
-    with pytest.raises(ValueError, match="TF32 needs"):
-        precision.policy("tf32", "cpu")
-    bf16 = precision.policy("bf16", "cpu")
-    assert bf16.autocast_dtype == torch.bfloat16 and not bf16.use_scaler
-    facts = {f["format"]: f for f in map(precision.format_facts, (torch.float32, torch.float16, torch.bfloat16))}
-    assert facts["float16"]["max"] == 65504 and facts["float16"]["smallest subnormal"] == 2**-24
-    assert facts["bfloat16"]["epsilon"] == 2**-7 and facts["bfloat16"]["exponent bits"] == 8
-    assert facts["float32"]["mantissa bits"] == 23
 
 
 @pytest.fixture
@@ -248,12 +236,17 @@ def test_data_stream_rolls_over_epochs_and_restores_position(data):
         next(DataStream([]))
 
 
-def test_plot_training_draws_one_panel_per_metric():
-    from labkit.plots import plot_training
-
-    history = [{"step": i + 1, "loss": 5 - i, "lr": 0.1, "grad_norm": 1.0} for i in range(3)]
-    fig = plot_training({"a": history, "b": history}, keys=("loss", "lr"))
-    assert len(fig.axes) == 2 and len(fig.axes[0].lines) == 2
+@pytest.mark.parametrize("training", [False, True])
+def test_fit_gives_back_the_mode_checkpointing_and_rng_it_found(data, training):
+    model = tiny_llama(vocab_size=128).train(training)
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    cfg = TrainConfig(steps=2, activation_checkpointing=True, progress=False)
+    fit(model, shards.make_loader(data, 16, 4), cfg)
+    assert model.training is training and all(m.training is training for m in model.modules())
+    assert not model.is_activation_checkpointing
+    assert torch.equal(torch.rand(3), expected)
 
 
 def test_activation_checkpointing_gives_the_same_losses(data):
