@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from labkit import bench, data, distributed, evaluate, lora, pipeline, precision, prune, quant, tokenizer, train
+from labkit import bench, data, evaluate, lora, precision, prune, quant, tokenizer, train
+from labkit.parallel import pipeline, ring
 
 
 class CheckFailed(AssertionError):
@@ -352,7 +353,7 @@ def _step_overwriting(chunks: list[list[torch.Tensor]], step: int) -> list[list[
     world = len(chunks)
     out = [list(row) for row in chunks]
     for rank in range(world):
-        c = distributed.ring_send_chunk(rank, world, step)
+        c = ring.ring_send_chunk(rank, world, step)
         out[(rank + 1) % world][c] = chunks[rank][c]
     return out
 
@@ -379,7 +380,7 @@ def check_reduce_scatter_step(fn: Callable[[list[list[torch.Tensor]], int], list
     cases = [(2, 0), (3, 0), (3, 1), (4, 2), (5, 1)]
     for world, step in cases:
         chunks = _chunks(world, seed=world * 10 + step)
-        expected = distributed.ring_step(chunks, step)
+        expected = ring.ring_step(chunks, step)
         got, wrong_at = _first_wrong_chunk(exercise, fn, chunks, step, expected)
         if wrong_at:
             r, c = wrong_at
@@ -393,7 +394,7 @@ def check_reduce_scatter_step(fn: Callable[[list[list[torch.Tensor]], int], list
                 hint = (
                     f"at step s rank r sends chunk (r − s) mod p to rank (r + 1) mod p, which adds it to its "
                     f"own copy; here rank {(r - 1) % world} sends chunk "
-                    f"{distributed.ring_send_chunk((r - 1) % world, world, step)}"
+                    f"{ring.ring_send_chunk((r - 1) % world, world, step)}"
                 )
             raise CheckFailed(
                 f"{exercise}: {world} ranks, step {step}: rank {r}'s chunk {c} should be "
@@ -409,12 +410,12 @@ def check_all_gather_step(fn: Callable[[list[list[torch.Tensor]], int], list[lis
     for world, step in cases:
         chunks = _chunks(world, seed=world * 10 + step)
         for s in range(world - 1 + step):  # the reduce-scatter, then the all-gather steps before this one
-            chunks = distributed.ring_step(chunks, s)
-        expected = distributed.ring_step(chunks, world - 1 + step)
+            chunks = ring.ring_step(chunks, s)
+        expected = ring.ring_step(chunks, world - 1 + step)
         got, wrong_at = _first_wrong_chunk(exercise, fn, chunks, step, expected)
         if wrong_at:
             r, c = wrong_at
-            sent = distributed.ring_send_chunk((r - 1) % world, world, world - 1 + step)
+            sent = ring.ring_send_chunk((r - 1) % world, world, world - 1 + step)
             hint = (
                 "all-gather passes finished sums along: the receiver replaces its copy, it does not add"
                 if torch.equal(got[r][c], chunks[r][c] + chunks[(r - 1) % world][c])

@@ -99,7 +99,7 @@ def _lab(args: argparse.Namespace) -> int:
 
 def _slurm(args: argparse.Namespace) -> int:
     from labkit import assets
-    from labkit.distributed import slurm_script
+    from labkit.parallel.slurm import slurm_script
 
     if args.unknown:
         raise ValueError(
@@ -125,10 +125,11 @@ def _slurm(args: argparse.Namespace) -> int:
 
 
 def _gpu_check(args: argparse.Namespace) -> int:
-    from labkit import distributed, gpucheck
+    from labkit import gpucheck
+    from labkit.parallel import launch
 
     if args.plan:
-        for step in gpucheck.plan(max(distributed.visible_gpus(), 1), args.output.with_suffix(".benchmarks.jsonl")):
+        for step in gpucheck.plan(max(launch.visible_gpus(), 1), args.output.with_suffix(".benchmarks.jsonl")):
             print(f"{step.name} ({step.timeout_s} s max, {step.gpus} GPU(s)): {' '.join(step.command)}")
         return 0
     report = gpucheck.gpu_check(args.output, run_labs=not args.no_labs)

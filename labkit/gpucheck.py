@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from labkit import assets, bench, distributed, env, precision, profiles
+from labkit import assets, bench, env, precision, profiles
+from labkit.parallel import launch
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES_TEST = ROOT / "tests" / "test_profiles.py"  # every profile's sizes against the offline data (seconds)
@@ -115,7 +116,7 @@ def plan(gpus: int, log: Path, root: Path = ROOT) -> list[Step]:
 
 def cpu_checks() -> list[dict[str, Any]]:
     """What can be checked without a GPU: the machine, where ranks would run, the gpu profile's sizes."""
-    gpus = distributed.visible_gpus()
+    gpus = launch.visible_gpus()
     rows = [
         {
             "check": "CUDA",
@@ -125,7 +126,7 @@ def cpu_checks() -> list[dict[str, Any]]:
             else precision.cuda_problem("cuda") or "no CUDA GPU visible to torch",
         }
     ]
-    rows.append({"check": "labs 04/05 ranks", "ok": True, "detail": distributed.placement(2, gpus).reason})
+    rows.append({"check": "labs 04/05 ranks", "ok": True, "detail": launch.placement(2, gpus).reason})
     cache = assets.read_access_problem(assets.cache_dir())
     rows.append({"check": "offline cache", "ok": cache is None, "detail": cache or str(assets.cache_dir())})
     if SIZES_TEST.is_file():  # a source checkout
@@ -186,7 +187,7 @@ def gpu_check(output: Path, *, run_labs: bool = True, echo: Callable[[str], None
     }
     for row in report["checks"]:
         echo(f"{'ok ' if row['ok'] else 'NO '} {row['check']}: {row['detail']}")
-    gpus = distributed.visible_gpus()
+    gpus = launch.visible_gpus()
     if gpus == 0:
         echo(
             "no CUDA GPU: the GPU steps (labs under the gpu profile, GPU benchmarks) were not run; "

@@ -71,3 +71,17 @@ def tmp_cache(tmp_path, monkeypatch):
     """An empty, private labkit cache directory."""
     monkeypatch.setenv("LABKIT_CACHE", str(tmp_path / "cache"))
     return tmp_path / "cache"
+
+
+@pytest.fixture(scope="session")
+def dp_parity_results():
+    """labs/scripts/dp_parity.py on 2 ranks, run once for the data-parallel and ring tests: (results, log lines)."""
+    from pathlib import Path
+
+    from labkit.parallel import launch
+
+    lines = []
+    res = launch.launch(
+        Path(__file__).parents[1] / "labs" / "scripts" / "dp_parity.py", nproc=2, echo=lines.append, timeout=180
+    )
+    return res, lines

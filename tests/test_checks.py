@@ -8,7 +8,8 @@ import statistics
 import pytest
 import torch
 
-from labkit import bench, checks, distributed, evaluate, pipeline, precision, prune, quant, tokenizer, train
+from labkit import bench, checks, evaluate, precision, prune, quant, tokenizer, train
+from labkit.parallel import pipeline, ring
 
 
 def stub(*args):
@@ -203,7 +204,7 @@ def test_median_time_check_explains_wrong_answers(wrong, hint):
 
 
 def test_reduce_scatter_check_passes_the_reference():
-    assert "passed" in checks.check_reduce_scatter_step(distributed.ring_step)
+    assert "passed" in checks.check_reduce_scatter_step(ring.ring_step)
 
 
 def step_overwriting(chunks, step):
@@ -341,7 +342,7 @@ def test_lr_at_check_explains_wrong_answers(wrong, hint):
 
 
 def all_gather_reference(chunks, step):
-    return distributed.ring_step(chunks, len(chunks) - 1 + step)
+    return ring.ring_step(chunks, len(chunks) - 1 + step)
 
 
 def gather_adding(chunks, step):

@@ -6,13 +6,14 @@ import sys
 
 import pytest
 
-from labkit import cli, distributed, gpucheck
+from labkit import cli, gpucheck
+from labkit.parallel import launch
 
 PY = sys.executable
 
 
 def test_without_cuda_it_runs_the_cpu_checks_and_exits_0(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(distributed, "visible_gpus", lambda: 0)
+    monkeypatch.setattr(launch, "visible_gpus", lambda: 0)
     sizes = tmp_path / "test_sizes.py"  # stands in for tests/test_profiles.py, which the suite runs itself
     sizes.write_text("def test_one():\n    pass\n\n\ndef test_two():\n    pass\n")
     monkeypatch.setattr(gpucheck, "SIZES_TEST", sizes)
@@ -69,7 +70,7 @@ def test_a_gpu_run_writes_every_step_and_reads_the_goals(tmp_path, monkeypatch, 
         write = f"import json; open({str(log)!r}, 'a').write(''.join(json.dumps(r) + '\\n' for r in {records!r}))"
         return [gpucheck.Step("bench", [PY, "-c", write], 60), gpucheck.Step("lab 99", [PY, "-c", "1/0"], 60)]
 
-    monkeypatch.setattr(distributed, "visible_gpus", lambda: 1)
+    monkeypatch.setattr(launch, "visible_gpus", lambda: 1)
     monkeypatch.setattr(gpucheck, "plan", plan)
     monkeypatch.setattr(gpucheck, "cpu_checks", lambda: [])  # run for real in the test above
     assert cli.main(["gpu-check", "-o", str(tmp_path / "gpu.json")]) == 1  # a lab failed

@@ -9,7 +9,9 @@ import argparse
 import torch.distributed as dist
 
 from labkit.bench import log_result
-from labkit.distributed import rank_context, ring_all_reduce_, save_result, time_all_reduce
+from labkit.parallel.data import time_all_reduce
+from labkit.parallel.launch import rank_context, save_result
+from labkit.parallel.ring import ring_all_reduce_
 
 
 def main() -> None:

@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import save_model
 
 from labkit import shards
-from labkit.distributed import rank_context, save_result
 from labkit.models import tiny_llama
+from labkit.parallel.launch import rank_context, save_result
 from labkit.train import TrainConfig, fit
 
 

@@ -14,8 +14,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from labkit.distributed import BucketedDataParallel, all_reduce_gradients, rank_context, ring_all_reduce_, save_result
 from labkit.models import tiny_llama
+from labkit.parallel.data import BucketedDataParallel, all_reduce_gradients
+from labkit.parallel.launch import rank_context, save_result
+from labkit.parallel.ring import ring_all_reduce_
 
 
 def loss_of(model, x):

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from labkit.distributed import rank_context, save_result
 from labkit.models import tiny_llama
-from labkit.pipeline import LlamaStage, StageTimeline, max_in_flight, saved_activation_bytes
+from labkit.parallel.launch import rank_context, save_result
+from labkit.parallel.pipeline import LlamaStage, StageTimeline, max_in_flight, saved_activation_bytes
 
 
 def main() -> None:

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.distributed import megatron_mlp_shard, rank_context, save_result, tensor_parallel_mlp
+from labkit.parallel.launch import rank_context, save_result
+from labkit.parallel.tensor import megatron_mlp_shard, tensor_parallel_mlp
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from labkit.distributed import rank_context
+from labkit.parallel.launch import rank_context
 
 with rank_context() as (rank, world, device):
     ready = Path(sys.argv[1])

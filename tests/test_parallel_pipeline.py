@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from labkit import distributed, pipeline
 from labkit.models import tiny_llama
+from labkit.parallel import launch, pipeline
 from tests.numerics import FLOAT64
 
 SCRIPT = Path(__file__).parents[1] / "labs" / "scripts" / "pipeline_run.py"
@@ -68,7 +68,7 @@ def test_bubble_fraction_of_a_known_timeline():
 
 @pytest.fixture(scope="module", params=["gpipe", "1f1b"])
 def run(request):
-    res = distributed.launch(
+    res = launch.launch(
         SCRIPT, nproc=2, args=["--schedule", request.param, "--microbatches", "4"], echo=None, timeout=240
     )
     return request.param, res
@@ -132,14 +132,5 @@ def test_schedule_order_refuses_bad_arguments():
 
 
 def test_1f1b_with_too_few_microbatches_is_refused():
-    with pytest.raises(distributed.RankError, match="at least as many micro-batches as stages"):
-        distributed.launch(SCRIPT, nproc=2, args=["--schedule", "1f1b", "--microbatches", "1"], echo=None, timeout=120)
-
-
-def test_tensor_parallel_mlp_equals_the_unsplit_one():
-    res = distributed.launch(SCRIPT.parent / "tensor_parallel.py", nproc=2, echo=None, timeout=120)
-    for r in res:
-        assert r["max_diff"] < 1e-5
-        assert r["shard_params"] < 0.51 * r["full_params"]  # each rank holds about half the weights
-    with pytest.raises(ValueError, match="does not split evenly"):
-        distributed.megatron_mlp_shard(torch.nn.Linear(4, 6), torch.nn.Linear(6, 4), 0, 4)
+    with pytest.raises(launch.RankError, match="at least as many micro-batches as stages"):
+        launch.launch(SCRIPT, nproc=2, args=["--schedule", "1f1b", "--microbatches", "1"], echo=None, timeout=120)

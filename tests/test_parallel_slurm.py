@@ -1,0 +1,165 @@
+"""Slurm: the sbatch script runs torchrun with a rendezvous on every node, `labkit slurm` writes it, and the
+script as written trains one model on two stand-in nodes."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from labkit import cli, shards
+from labkit.parallel import launch, slurm
+
+SCRIPT = Path(__file__).parents[1] / "labs" / "scripts" / "dp_parity.py"
+
+
+def test_slurm_script_runs_torchrun_with_rendezvous_on_every_node(tmp_path):
+    text = slurm.slurm_script(
+        "labs/scripts/ddp_train.py",
+        nodes=2,
+        gpus_per_node=4,
+        args=["--steps", "100"],
+        partition="gpu",
+        account="proj42",
+        venv="/opt/course/.venv",
+    )
+    for line in (
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=4",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --account=proj42",
+        "source /opt/course/.venv/bin/activate",
+        "export HF_HUB_OFFLINE=1",
+        "--nproc_per_node=4",
+        "--rdzv_backend=c10d",
+        '--rdzv_endpoint="$head_node:29500"',
+        "labs/scripts/ddp_train.py --steps 100",
+        "NCCL_SOCKET_IFNAME",
+    ):
+        assert line in text, line
+    path = tmp_path / "job.sbatch"
+    path.write_text(text)
+    assert subprocess.run(["bash", "-n", str(path)]).returncode == 0  # valid shell
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"nodes": 0}, "nodes >= 1"),
+        ({"time_limit": "90 minutes"}, "HH:MM:SS"),
+        ({"job_name": "a b"}, "job_name"),
+        ({"port": 80}, "port"),
+    ],
+)
+def test_slurm_script_validates(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        slurm.slurm_script(SCRIPT, **kwargs)
+    with pytest.raises(FileNotFoundError, match="no such script: trian.py"):
+        slurm.slurm_script("trian.py")
+
+
+def test_slurm_cli_writes_the_file(tmp_path, capsys, monkeypatch):
+    (tmp_path / "train.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "job.sbatch"
+    assert (
+        cli.main(
+            [
+                "slurm",
+                "train.py",
+                "--nodes",
+                "2",
+                "--gpus-per-node",
+                "8",
+                "-o",
+                str(out),
+                "--",
+                "--lr",
+                "3e-4",
+                "--nodes",
+                "9",
+            ]
+        )
+        == 0
+    )
+    text = out.read_text()
+    assert "--nproc_per_node=8" in text and "#SBATCH --nodes=2" in text
+    assert f"{tmp_path / 'train.py'} --lr 3e-4 --nodes 9" in text  # absolute: the job runs from any directory
+    assert "sbatch" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["train.py", "--gpu-per-node", "4"],
+            "unknown option(s) --gpu-per-node 4; the training script's own arguments go after `--`",
+        ),
+        (["train.py", "--steps", "200"], "labkit slurm train.py [options] -- --steps 200"),
+        (["missing.py", "--nodes", "2"], "no such script: missing.py"),
+    ],
+)
+def test_slurm_cli_refuses_typos_and_missing_scripts(tmp_path, capsys, monkeypatch, argv, message):
+    (tmp_path / "train.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["slurm", *argv, "-o", "job.sbatch"]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "job.sbatch").exists()
+
+
+SRUN = """#!/bin/bash
+# srun's stand-in: one task per node, every "node" on this machine
+while [[ $1 == -* ]]; do shift; done
+pids=()
+for node in $(seq 0 $((SLURM_NNODES - 1))); do SLURM_NODEID=$node "$@" & pids+=($!); done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+exit $status
+"""
+
+
+def test_the_generated_slurm_job_trains_on_two_nodes(tmp_path):
+    """The sbatch script as written, run as Slurm would run it on two nodes: two torchrun agents (here on one
+    machine, with srun and scontrol stood in for) meet at the rendezvous and train one model with gloo."""
+    shards.write_shards(
+        (np.arange(20000) * 7 % 256).astype(np.int64), tmp_path / "data", 5000, vocab_size=256, tokenizer="t"
+    )
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    text = slurm.slurm_script(
+        Path(__file__).parents[1] / "labs" / "scripts" / "ddp_train.py",
+        nodes=2,
+        gpus_per_node=1,
+        venv=sys.prefix,
+        port=port,
+        args=["--shards", str(tmp_path / "data"), "--steps", "3", "--block", "32", "--micro-batch", "2"],
+    )
+    (tmp_path / "job.sbatch").write_text(text)
+    stand_ins = tmp_path / "bin"
+    stand_ins.mkdir()
+    for name, body in (("srun", SRUN), ("scontrol", "#!/bin/bash\necho 127.0.0.1\necho 127.0.0.1\n")):
+        (stand_ins / name).write_text(body)
+        (stand_ins / name).chmod(0o755)
+    results = tmp_path / "results"
+    results.mkdir()
+    env = {
+        **os.environ,
+        "PATH": f"{stand_ins}:{os.environ['PATH']}",
+        "SLURM_JOB_NODELIST": "node[1-2]",
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_CPUS_PER_TASK": "1",
+        launch.RESULT_ENV: str(results),
+    }
+    run = subprocess.run(["bash", "job.sbatch"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    ranks = [json.loads(p.read_text()) for p in sorted(results.glob("result_rank*.json"))]
+    assert [(r["rank"], r["world"]) for r in ranks] == [(0, 2), (1, 2)]
+    assert ranks[0]["params_sha256"] == ranks[1]["params_sha256"]  # one model, trained across both nodes
+    assert f"labkit: {launch.placement(1, launch.visible_gpus()).reason}" in run.stdout
