@@ -1,0 +1,114 @@
+"""The package's shape: imports flow one way, from the foundation up to the techniques and the CLI.
+
+Read from the source with `ast` (nothing is imported), so a cycle or an upward import fails here
+before it can fail as a half-initialized module at run time.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "labkit"
+
+# Layers, lowest first: a module may import its own layer's modules and any below, never above.
+FOUNDATION = {"torchutil", "profiles", "assets", "precision", "plots", "data", "models", "bench", "env"}
+SHARED = {"evaluate", "train"}
+TECHNIQUES = {"clean", "tokenizer", "shards", "parallel", "prune", "quant", "tasks", "lora"}
+TOP = {"checks", "expected", "gpucheck", "student", "cli", "__main__"}
+# Technique modules import each other only where one is built on the other.
+BUILT_ON = {
+    ("shards", "tokenizer"): "lab 01's shards are tagged with the tokenizer that made them",
+    ("lora", "tasks"): "fine-tuning trains and scores on the instruction task",
+    ("lora", "quant"): "QLoRA trains adapters on the packed 4-bit base",
+}
+MAX_LINES = 450
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _resolve(name: str) -> str | None:
+    """The labkit module a dotted import name refers to (a module, or the module holding the name)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(module: str) -> set[str]:
+    """Every labkit module that `module` imports, at the top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(MODULES[module].read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {_resolve(alias.name) for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "labkit":
+            found |= {_resolve(f"{node.module}.{alias.name}") for alias in node.names}
+    return {m for m in found if m and m != "labkit" and m != module}
+
+
+GRAPH = {m: _imports(m) for m in MODULES if m != "labkit"}
+
+
+def _unit(module: str) -> str:
+    """The top-level unit a module belongs to: labkit.quant.gptq -> quant."""
+    return module.split(".")[1]
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, str] = {}  # "open" while on the DFS stack, "done" after
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return path[path.index(nxt) :] + [nxt] if nxt in path else [node, nxt]
+            if nxt not in state and (cycle := visit(nxt, [*path, nxt])):
+                return cycle
+        state[node] = "done"
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start, [start])):
+            return cycle
+    return None
+
+
+def test_the_cycle_finder_finds_a_planted_cycle_and_passes_a_tree():
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_labkit_has_no_import_cycle():
+    assert _find_cycle(GRAPH) is None, f"import cycle: {' -> '.join(_find_cycle(GRAPH))}"
+
+
+def test_every_module_is_placed_in_a_layer():
+    layers = FOUNDATION | SHARED | TECHNIQUES | TOP
+    assert {_unit(m) for m in GRAPH} <= layers, sorted({_unit(m) for m in GRAPH} - layers)
+
+
+@pytest.mark.parametrize("module", sorted(GRAPH))
+def test_imports_flow_one_way(module):
+    unit = _unit(module)
+    allowed = set(FOUNDATION)
+    if unit not in FOUNDATION:
+        allowed |= SHARED
+    if unit in TECHNIQUES:
+        allowed |= {unit} | {b for a, b in BUILT_ON if a == unit}
+    if unit in TOP:
+        allowed |= SHARED | TECHNIQUES | TOP
+    wrong = sorted(m for m in GRAPH[module] if _unit(m) not in allowed)
+    assert not wrong, f"{module} imports {wrong}: above its layer, or a technique it is not built on"
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_module_is_longer_than_the_limit(module):
+    lines = MODULES[module].read_text(encoding="utf-8").count("\n")
+    assert lines <= MAX_LINES, f"{MODULES[module].name} has {lines} lines; split it where its sections divide it"
