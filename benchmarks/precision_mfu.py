@@ -1,6 +1,6 @@
 """Tokens/s and MFU per precision mode for a GPT-2-small-sized model (12 × 768, 124 M parameters with
 GPT-2's vocabulary), side by side in one run. MFU uses 6N + 12·L·d·T FLOPs per token (N: every weight
-a token is multiplied by, the tied LM head included; bench.model_flops_per_token) against the GPU's
+a token is multiplied by, the tied LM head included; flops.model_flops_per_token) against the GPU's
 data-sheet peak for the mode; on a CPU the peak is unknown and MFU is n/a.
 
     python benchmarks/precision_mfu.py --device cuda --compile            # the H100 target: bf16 MFU >= 55 %
@@ -14,7 +14,7 @@ import statistics
 
 import torch
 
-from labkit import bench, precision
+from labkit import bench, flops, precision
 from labkit.models import tiny_gpt2
 from labkit.train import TrainConfig, fit
 
@@ -56,10 +56,10 @@ def main() -> None:
             model, batches, TrainConfig(steps=args.steps, precision=mode, compile=args.compile, progress=False)
         )
         tokens_per_s = statistics.median(h["tokens_per_s"] for h in history[len(history) // 2 :])  # after warm-up
-        flops = tokens_per_s * bench.model_flops_per_token(model, args.seq)
-        util = bench.mfu(flops, bench.device_peak_flops(mode, device))
+        achieved = tokens_per_s * flops.model_flops_per_token(model, args.seq)
+        util = flops.mfu(achieved, flops.device_peak_flops(mode, device))
         print(
-            f"{mode:>5}: {tokens_per_s:>12,.0f} tokens/s, {flops / 1e12:8.2f} TFLOP/s, "
+            f"{mode:>5}: {tokens_per_s:>12,.0f} tokens/s, {achieved / 1e12:8.2f} TFLOP/s, "
             f"MFU {'n/a' if util is None else f'{util:.1%}'}"
         )
         bench.log_result(
@@ -68,7 +68,7 @@ def main() -> None:
                 "benchmark": "precision_mfu",
                 "mode": mode,
                 "tokens_per_s": tokens_per_s,
-                "flops_per_s": flops,
+                "flops_per_s": achieved,
                 "mfu": util,
                 **vars(args),
             },

@@ -14,8 +14,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "labkit"
 
 # Layers, lowest first: a module may import its own layer's modules and any below, never above.
-FOUNDATION = {"torchutil", "profiles", "assets", "precision", "plots", "data", "models", "bench", "env"}
-SHARED = {"evaluate", "train"}
+FOUNDATION = {"torchutil", "profiles", "assets", "precision", "plots", "data", "models", "bench", "flops", "env"}
+SHARED = {"evaluate", "checkpoint", "train"}
 TECHNIQUES = {"clean", "tokenizer", "shards", "parallel", "prune", "quant", "tasks", "lora"}
 TOP = {"checks", "expected", "gpucheck", "student", "cli", "__main__"}
 # Technique modules import each other only where one is built on the other.
@@ -42,10 +42,20 @@ def _resolve(name: str) -> str | None:
     return name or None
 
 
+def _runtime_nodes(tree: ast.AST):
+    """Every node, except those under `if TYPE_CHECKING:` (imports for annotations, never run)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            yield from (n for child in node.orelse for n in [child, *_runtime_nodes(child)])
+            continue
+        yield node
+        yield from _runtime_nodes(node)
+
+
 def _imports(module: str) -> set[str]:
-    """Every labkit module that `module` imports, at the top or inside a function."""
+    """Every labkit module that `module` imports when it runs, at the top or inside a function."""
     found = set()
-    for node in ast.walk(ast.parse(MODULES[module].read_text(encoding="utf-8"))):
+    for node in _runtime_nodes(ast.parse(MODULES[module].read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             found |= {_resolve(alias.name) for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "labkit":
@@ -83,6 +93,14 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_cycle_finder_finds_a_planted_cycle_and_passes_a_tree():
     assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_imports_for_annotations_only_are_not_counted():
+    tree = ast.parse(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\nelse:\n    import b\nimport c\n"
+    )
+    names = {alias.name for node in _runtime_nodes(tree) if isinstance(node, ast.Import) for alias in node.names}
+    assert names == {"b", "c"}
 
 
 def test_labkit_has_no_import_cycle():

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from labkit import bench, precision
+from labkit import bench, flops, precision
 
 
 def test_precision_policy_and_formats():
@@ -71,7 +71,7 @@ def test_bf16_counts_only_when_native(monkeypatch, capability, native):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     assert precision.native_bf16("cuda") is native
-    assert (bench.dtype_support("cuda")["bf16"] is None) is native
+    assert (flops.dtype_support("cuda")["bf16"] is None) is native
     if native:
         assert precision.policy("bf16", "cuda").autocast_dtype == torch.bfloat16
     else:

@@ -13,6 +13,7 @@ import torch
 
 from labkit import precision, shards
 from labkit.bench import read_results
+from labkit.checkpoint import latest_checkpoint, load_checkpoint
 from labkit.data import pad_batch
 from labkit.models import tiny_gpt2, tiny_llama
 from labkit.train import (
@@ -20,16 +21,12 @@ from labkit.train import (
     accumulate_gradients,
     as_batch,
     fit,
-    latest_checkpoint,
-    load_checkpoint,
     loss_sum,
     lr_at,
     make_optimizer,
-    save_checkpoint,
     train_step,
 )
 from tests.numerics import FLOAT64
-from tests.permissions import UMASK_CASES, modes, umask
 
 CPU = torch.device("cpu")
 FP32 = precision.policy("fp32", "cpu")
@@ -282,32 +279,3 @@ def test_loss_scaler_skips_an_overflowing_step_instead_of_failing():
     metrics = train_step(model, opt, [batch], scaled, scaler, grad_clip=1.0)
     assert metrics["skipped"] and scaler.get_scale() < 2.0**16
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the step was skipped
-
-
-@pytest.mark.parametrize("mask, file_mode, dir_mode", UMASK_CASES)
-def test_checkpoints_get_the_modes_the_umask_gives(tmp_path, mask, file_mode, dir_mode):
-    model = tiny_gpt2(vocab_size=128)
-    cfg = TrainConfig(steps=1, progress=False)
-    optimizer = make_optimizer(model, cfg)
-    model(torch.arange(8)[None], labels=torch.arange(8)[None]).loss.backward()
-    optimizer.step()  # so that the optimizer has state to save
-    with umask(mask):
-        save_checkpoint(
-            tmp_path / "ck",
-            model,
-            optimizer,
-            torch.amp.GradScaler("cpu", enabled=False),
-            1,
-            {"epoch": 0, "index": 1},
-            cfg,
-        )
-    step = "step_000001"
-    assert modes(tmp_path / "ck") == {
-        ".": dir_mode,
-        step: dir_mode,
-        f"{step}/model.safetensors": file_mode,
-        f"{step}/optimizer.safetensors": file_mode,
-        f"{step}/rng.safetensors": file_mode,
-        f"{step}/trainer.json": file_mode,
-        f"{step}/labkit-manifest.json": file_mode,
-    }

@@ -1,0 +1,133 @@
+"""Training checkpoints that resume the exact trajectory: weights, optimizer, loss scaler, data position, RNG.
+
+A checkpoint is a directory step_NNNNNN/ written atomically (built under a temporary name, renamed
+when whole) with a manifest of checksums; loading checks the manifest and the model's shapes
+before a single tensor is copied.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file, save_model
+from torch import nn
+
+from labkit import assets
+
+if TYPE_CHECKING:  # for the annotation only: train imports this module
+    from labkit.train import TrainConfig
+
+
+def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors |= {f"torch_cuda_{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())}
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    tensors["numpy_keys"] = torch.from_numpy(keys.astype(np.int64))
+    return tensors, {"numpy": [kind, pos, has_gauss, gauss], "python": random.getstate()}
+
+
+def _set_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    torch.set_rng_state(tensors["torch_cpu"])
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(
+            [tensors[f"torch_cuda_{i}"] for i in range(torch.cuda.device_count()) if f"torch_cuda_{i}" in tensors]
+        )
+    kind, pos, has_gauss, gauss = meta["numpy"]
+    np.random.set_state((kind, tensors["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, gauss))
+    py = meta["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+
+
+def save_checkpoint(
+    directory: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    step: int,
+    data_state: dict[str, int],
+    cfg: TrainConfig,
+) -> Path:
+    """Write step_NNNNNN/ atomically: weights and optimizer tensors as safetensors, the rest as JSON."""
+    dest = Path(directory) / f"step_{step:06d}"
+    opt = optimizer.state_dict()
+    opt_tensors = {
+        f"{pid}.{key}": value
+        for pid, state in opt["state"].items()
+        for key, value in state.items()
+        if torch.is_tensor(value)
+    }
+    rng_tensors, rng_meta = _rng_state()
+    with assets.atomic_directory(dest) as tmp:
+        save_model(model, str(tmp / "model.safetensors"))  # handles tied weights
+        save_file({k: v.contiguous() for k, v in opt_tensors.items()}, str(tmp / "optimizer.safetensors"))
+        save_file(rng_tensors, str(tmp / "rng.safetensors"))
+        state = {
+            "step": step,
+            "data": data_state,
+            "config": asdict(cfg),
+            "param_groups": opt["param_groups"],
+            "scaler": scaler.state_dict(),
+            "rng": rng_meta,
+        }
+        assets.atomic_write_text(tmp / "trainer.json", json.dumps(state, indent=1))
+        assets.write_manifest(tmp, source="labkit.train")
+    for old in sorted(Path(directory).glob("step_*"))[: -cfg.keep_checkpoints]:
+        shutil.rmtree(old)
+    return dest
+
+
+def latest_checkpoint(directory: str | Path) -> Path | None:
+    """The newest finished checkpoint in `directory` (temporary, unfinished ones are never listed)."""
+    found = sorted(Path(directory).glob("step_*")) if Path(directory).is_dir() else []
+    return found[-1] if found else None
+
+
+def load_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+) -> dict[str, Any]:
+    """Restore model (and optimizer, scaler, RNG) from a checkpoint after checking it is whole and fits."""
+    path = Path(path)
+    problem = assets.check_manifest(path) if path.is_dir() else f"{path} does not exist"
+    if problem:
+        raise ValueError(f"checkpoint {path} is unusable: {problem}")
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    mismatched = [
+        f"{k}: model {expected[k]}, checkpoint {saved[k]}" for k in saved if k in expected and expected[k] != saved[k]
+    ]
+    unknown = sorted(set(saved) - set(expected))
+    if mismatched or unknown:
+        detail = "; ".join(mismatched[:3] + [f"unexpected tensor {k}" for k in unknown[:3]])
+        raise ValueError(f"checkpoint {path} was saved from another model shape: {detail}")
+    weights = load_file(str(path / "model.safetensors"), device=str(next(model.parameters()).device))
+    model.load_state_dict(weights, strict=False)  # tied weights are stored once
+    current = model.state_dict()
+    loaded_storage = {current[k].data_ptr() for k in weights if k in current}
+    absent = [k for k in set(expected) - set(weights) if current[k].data_ptr() not in loaded_storage]  # not tied
+    if absent:
+        raise ValueError(f"checkpoint {path} lacks tensors: {sorted(absent)[:3]}")
+    state = json.loads((path / "trainer.json").read_text())
+    if optimizer is not None:
+        tensors = load_file(str(path / "optimizer.safetensors"))
+        opt_state: dict[int, dict[str, torch.Tensor]] = {}
+        for key, value in tensors.items():
+            pid, name = key.split(".", 1)
+            opt_state.setdefault(int(pid), {})[name] = value
+        optimizer.load_state_dict({"state": opt_state, "param_groups": state["param_groups"]})
+    if scaler is not None:
+        scaler.load_state_dict(state["scaler"])
+    _set_rng_state(load_file(str(path / "rng.safetensors")), state["rng"])
+    return state
