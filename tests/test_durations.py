@@ -1,0 +1,13 @@
+"""The duration report: per-file totals and per-test lines, slowest first, summed over setup/call/teardown."""
+
+from tests.durations import format_report
+
+
+def test_report_totals_files_and_sorts_tests_slowest_first():
+    seconds = {"tests/a.py::t1": 1.0, "tests/a.py::t2": 4.0, "labs/01.ipynb::Cell 3": 2.5}
+    text = format_report(seconds, wall=9.4, workers=2, exit_status=0)
+    assert text.startswith("# 3 tests in 9 s wall on 2 worker(s), exit status 0\n")
+    files = text.split("## per file\n")[1].split("\n\n")[0].splitlines()
+    assert files == ["     5.0  tests/a.py", "     2.5  labs/01.ipynb"]
+    tests = text.split("## per test\n")[1].splitlines()
+    assert tests == ["    4.00  tests/a.py::t2", "    2.50  labs/01.ipynb::Cell 3", "    1.00  tests/a.py::t1"]
