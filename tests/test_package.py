@@ -130,3 +130,9 @@ def test_imports_flow_one_way(module):
 def test_no_module_is_longer_than_the_limit(module):
     lines = MODULES[module].read_text(encoding="utf-8").count("\n")
     assert lines <= MAX_LINES, f"{MODULES[module].name} has {lines} lines; split it where its sections divide it"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if MODULES[m].name not in ("__init__.py", "__main__.py")))
+def test_every_module_has_its_test_file(module):
+    expected = "test_" + "_".join(module.split(".")[1:]) + ".py"
+    assert (Path(__file__).parent / expected).is_file(), f"{module} has no tests/{expected}"
