@@ -1,0 +1,43 @@
+"""Exercise checks: each compares a student's function with labkit's own implementation of the same step.
+
+A check runs the function on a few cases chosen to catch the usual mistakes, and raises `CheckFailed`
+(an AssertionError, so a notebook cell stops there) with the smallest failing case, what was
+expected, what came back, and a hint. A function that still raises NotImplementedError (the stub of
+the student build) gets a message saying which exercise is left, not a traceback.
+
+One module per lab (`lab00` … `lab08`), each importing only the labkit modules its checks compare with,
+and `core` for what they share. The notebooks call every check as `checks.check_...`: re-exported here.
+"""
+
+from labkit.checks.core import CheckFailed
+from labkit.checks.lab00 import check_median_time, check_windows
+from labkit.checks.lab01 import check_merge_pair, check_pack_blocks
+from labkit.checks.lab02 import check_kept_fraction, check_update_loss_scale
+from labkit.checks.lab03 import check_loss_divisors, check_lr_at
+from labkit.checks.lab04 import check_all_gather_step, check_reduce_scatter_step
+from labkit.checks.lab05 import check_1f1b_order, check_bubble_fraction
+from labkit.checks.lab06 import check_nm_mask, check_overall_sparsity
+from labkit.checks.lab07 import check_gptq_column, check_pack_nibbles
+from labkit.checks.lab08 import check_lora_forward, check_lora_merge
+
+__all__ = [
+    "CheckFailed",
+    "check_median_time",
+    "check_windows",
+    "check_merge_pair",
+    "check_pack_blocks",
+    "check_update_loss_scale",
+    "check_kept_fraction",
+    "check_loss_divisors",
+    "check_lr_at",
+    "check_reduce_scatter_step",
+    "check_all_gather_step",
+    "check_1f1b_order",
+    "check_bubble_fraction",
+    "check_nm_mask",
+    "check_overall_sparsity",
+    "check_gptq_column",
+    "check_pack_nibbles",
+    "check_lora_forward",
+    "check_lora_merge",
+]

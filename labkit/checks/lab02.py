@@ -1,0 +1,58 @@
+"""Lab 02's exercise checks: the loss-scale update, what a format keeps."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from labkit import precision
+from labkit.checks.core import CheckFailed, _call, _passed
+
+
+def check_update_loss_scale(fn: Callable[[float, int, bool, float, float, int], tuple[float, int]]) -> str:
+    """Lab 02: fn(scale, good_steps, found_inf, growth_factor, backoff_factor, growth_interval) -> (scale, steps)."""
+    exercise = "exercise 02.1 (dynamic loss scaling)"
+    flags = [False, False, False, True, False, False, False, False, True, True, False, False, False]
+    scale, good = 2.0**16, 0
+    for step, found_inf in enumerate(flags):
+        expected = precision.update_loss_scale(scale, good, found_inf, 2.0, 0.5, 3)
+        got = _call(exercise, fn, scale, good, found_inf, 2.0, 0.5, 3)
+        if not isinstance(got, tuple) or len(got) != 2:
+            raise CheckFailed(f"{exercise}: return (new_scale, new_good_steps), got {got!r}")
+        if (float(got[0]), int(got[1])) != expected:
+            if found_inf:
+                hint = "an overflow multiplies the scale by backoff_factor and restarts the count at 0"
+            elif expected[0] != scale:
+                hint = "after growth_interval = 3 good steps in a row the scale grows by growth_factor, count back to 0"
+            else:
+                hint = "a good step that does not complete the interval only adds 1 to the count"
+            raise CheckFailed(
+                f"{exercise}: step {step}, scale {scale:g}, good steps {good}, found_inf {found_inf}: "
+                f"expected {expected}, got {got}; hint: {hint}"
+            )
+        scale, good = expected
+    return _passed(exercise, len(flags))
+
+
+def check_kept_fraction(fn: Callable[[torch.Tensor, torch.dtype, float], float]) -> str:
+    """Lab 02: fn(values, dtype, scale) is the share of non-zero values still non-zero after scaling and casting."""
+    exercise = "exercise 02.2 (what a format keeps)"
+    values = torch.tensor([1e-3, 1e-6, 1e-8, 3e-9, 1e-10, 2.0, 0.0, -5e-8])
+    cases = [(torch.float16, 1.0), (torch.float16, 2.0**10), (torch.bfloat16, 1.0), (torch.float16, 2.0**20)]
+    for dtype, scale in cases:
+        expected = precision.kept_fraction(values, dtype, scale)
+        got = _call(exercise, fn, values.clone(), dtype, scale)
+        if not isinstance(got, (int, float)) or abs(got - expected) > 1e-9:
+            unscaled = precision.kept_fraction(values, dtype, 1.0)
+            with_zero = ((values * scale).to(dtype) != 0).float().mean().item()
+            if isinstance(got, (int, float)) and abs(got - with_zero) < 1e-9:
+                hint = "count among the values that were non-zero to begin with (drop the exact zeros first)"
+            elif isinstance(got, (int, float)) and abs(got - unscaled) < 1e-9:
+                hint = "multiply by the loss scale before casting: that is what the scale is for"
+            else:
+                hint = "cast (values · scale) to the dtype and count what is still non-zero"
+            raise CheckFailed(
+                f"{exercise}: {dtype}, scale {scale:g}: expected {expected:.4f}, got {got!r}; hint: {hint}"
+            )
+    return _passed(exercise, len(cases))

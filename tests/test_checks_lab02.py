@@ -1,0 +1,59 @@
+"""labkit.checks.lab02: the dynamic loss-scale update and what a format keeps; each check passes the reference
+answer and fails the usual wrong answers with a message that says what to fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labkit import precision
+from labkit.checks import core, lab02
+from tests.stubs import stub
+
+
+def test_loss_scale_check_passes_the_reference():
+    assert "passed" in lab02.check_update_loss_scale(precision.update_loss_scale)
+
+
+@pytest.mark.parametrize(
+    "wrong, hint",
+    [
+        (
+            lambda s, g, inf, up, down, n: (
+                (s * down, g) if inf else precision.update_loss_scale(s, g, inf, up, down, n)
+            ),
+            "restarts the count",
+        ),
+        (lambda s, g, inf, up, down, n: (s * down, 0) if inf else (s * up, 0), "only adds 1"),  # grows every step
+        (lambda s, g, inf, up, down, n: (s * down, 0) if inf else (s, g + 1), "grows by growth_factor"),  # never grows
+        (lambda s, g, inf, up, down, n: s, "new_scale, new_good_steps"),
+        (stub, "not written yet"),
+    ],
+)
+def test_loss_scale_check_explains_wrong_answers(wrong, hint):
+    with pytest.raises(core.CheckFailed, match=hint):
+        lab02.check_update_loss_scale(wrong)
+
+
+def test_kept_fraction_check_passes_the_reference():
+    assert "passed" in lab02.check_kept_fraction(precision.kept_fraction)
+
+
+@pytest.mark.parametrize(
+    "wrong, hint",
+    [
+        (lambda v, dtype, scale: ((v * scale).to(dtype) != 0).float().mean().item(), "drop the exact zeros"),
+        (lambda v, dtype, scale: precision.kept_fraction(v, dtype), "multiply by the loss scale"),
+        (lambda v, dtype, scale: 1.0, "cast \\(values · scale\\)"),
+    ],
+)
+def test_kept_fraction_check_explains_wrong_answers(wrong, hint):
+    with pytest.raises(core.CheckFailed, match=hint):
+        lab02.check_kept_fraction(wrong)
+
+
+def test_kept_fraction_counts_non_zero_values_and_refuses_all_zeros():
+    assert precision.kept_fraction(torch.tensor([1e-10, 1.0, 0.0]), torch.float16) == 0.5
+    assert precision.kept_fraction(torch.tensor([1e-10, 1.0]), torch.float16, scale=2.0**16) == 1.0
+    with pytest.raises(ValueError, match="no non-zero"):
+        precision.kept_fraction(torch.zeros(3), torch.float16)
