@@ -7,7 +7,9 @@ report the median over repeats (and the spread); measure peak memory per region,
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
+import gc
 import json
 import os
 import platform
@@ -215,9 +217,6 @@ def _reset_peak_rss() -> bool:
 def release_memory() -> None:
     """Give freed memory back before a measurement: collect garbage, empty the CUDA cache, and on glibc
     trim the heap (freed pages stay resident otherwise, and the next region's peak hides in them)."""
-    import ctypes
-    import gc
-
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -40,7 +40,7 @@ def transformer_flops_per_token(
 def matmul_parameters(model: nn.Module) -> int:
     """Weights a token is multiplied by: every linear layer's (transformers' Conv1D for GPT-2), the LM
     head's counted even when tied to the embedding, whose lookup is not a multiplication."""
-    from transformers.pytorch_utils import Conv1D
+    from transformers.pytorch_utils import Conv1D  # here, not at the top: importing transformers takes seconds
 
     return sum(m.weight.numel() for m in model.modules() if isinstance(m, (nn.Linear, Conv1D)))
 

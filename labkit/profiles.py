@@ -166,7 +166,7 @@ PROFILES: dict[str, Profile] = {
 
 def detect_profile_name() -> str:
     """The profile this machine gets without an override: 'gpu' with CUDA, else 'cpu'."""
-    import torch
+    import torch  # only to auto-detect: a named profile ($LABKIT_PROFILE) is read without importing torch
 
     return "gpu" if torch.cuda.is_available() else "cpu"
 

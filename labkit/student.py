@@ -48,7 +48,7 @@ def strip_solutions(source: str, where: str = "cell") -> tuple[str, int]:
 
 def student_notebook(path: str | Path) -> tuple[dict, int]:
     """A lab notebook as students get it: solutions stubbed, outputs and execution counts cleared."""
-    import nbformat
+    import nbformat  # the dev extra's: only `make student` needs it
 
     nb = nbformat.read(str(path), as_version=4)
     total = 0
@@ -65,7 +65,7 @@ def student_notebook(path: str | Path) -> tuple[dict, int]:
 
 def build_student(labs: str | Path, dest: str | Path) -> dict[str, int]:
     """Write the student version of every notebook in `labs` into `dest` (atomically); returns exercises per lab."""
-    import nbformat
+    import nbformat  # the dev extra's: only `make student` needs it
 
     notebooks = sorted(Path(labs).glob("*.ipynb"))
     if not notebooks:

@@ -23,6 +23,8 @@ from functools import lru_cache
 from pathlib import Path
 
 import regex
+from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, trainers
+from tokenizers import models as hf_models
 from tqdm.auto import tqdm
 
 from labkit.assets import atomic_write_text
@@ -186,14 +188,12 @@ class BPETokenizer:
 
     def to_hf(self):
         """The same tokenizer as a Hugging Face `tokenizers.Tokenizer` (ByteLevel BPE)."""
-        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
         vocab = {
             to_unicode(tok) if i >= len(self.special_tokens) else self.special_tokens[i]: i
             for i, tok in enumerate(self.vocab)
         }
         merges = [(to_unicode(a), to_unicode(b)) for a, b in self.merges]
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+        tok = Tokenizer(hf_models.BPE(vocab=vocab, merges=merges))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         tok.decoder = decoders.ByteLevel()
         tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in self.special_tokens])
@@ -291,9 +291,7 @@ def train_bpe(
 
 def train_hf_bpe(texts: Iterable[str], vocab_size: int, special_tokens: Iterable[str] = DEFAULT_SPECIALS):
     """The library baseline: Hugging Face `tokenizers` BPE, configured exactly like train_bpe."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
+    tok = Tokenizer(hf_models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
