@@ -8,7 +8,9 @@ import statistics
 import pytest
 import torch
 
-from labkit import bench, checks, distributed, evaluate, pipeline, precision, prune, quant, tokenizer, train
+from labkit import bench, checks, distributed, evaluate, pipeline, precision, prune, tokenizer, train
+from labkit.quant.checkpoint import pack_rows
+from labkit.quant.gptq import quantize_column
 
 
 def stub(*args):
@@ -271,7 +273,7 @@ def test_1f1b_check_explains_wrong_answers(wrong, hint):
 
 
 def test_gptq_column_check_passes_the_reference():
-    assert "passed" in checks.check_gptq_column(quant.quantize_column)
+    assert "passed" in checks.check_gptq_column(quantize_column)
 
 
 def column_variant(clamp=True, pivot=True, update=True, sign=-1):
@@ -296,7 +298,7 @@ def column_variant(clamp=True, pivot=True, update=True, sign=-1):
         (column_variant(pivot=False), "divide the rounding error by the pivot"),
         (column_variant(update=False), "update the columns after i in place"),
         (column_variant(sign=+1), "you added it"),
-        (lambda *args: quant.quantize_column(*args)[0], "return a pair"),
+        (lambda *args: quantize_column(*args)[0], "return a pair"),
     ],
 )
 def test_gptq_column_check_explains_wrong_answers(wrong, hint):
@@ -371,7 +373,7 @@ def test_all_gather_check_explains_wrong_answers(wrong, hint):
 
 
 def test_pack_nibbles_check_passes_the_reference_signed_or_unsigned():
-    signed = lambda codes: quant.pack_rows(torch.tensor(codes)[:, None], 4)[:, 0].tolist()  # noqa: E731
+    signed = lambda codes: pack_rows(torch.tensor(codes)[:, None], 4)[:, 0].tolist()  # noqa: E731
     unsigned = lambda codes: [sum(c << 4 * j for j, c in enumerate(codes[k : k + 8])) for k in range(0, len(codes), 8)]  # noqa: E731
     assert "passed" in checks.check_pack_nibbles(signed)
     assert "passed" in checks.check_pack_nibbles(unsigned)

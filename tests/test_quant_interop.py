@@ -1,0 +1,69 @@
+"""labkit.quant.interop: GPTQModel and transformers on the library side."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labkit.models import tiny_llama
+from labkit.quant import interop
+from labkit.quant.checkpoint import save_gptq, unpack_weight
+from labkit.quant.grid import QuantConfig
+from labkit.quant.interop import gptq_kernels, gptqmodel_available, load_with_transformers
+from labkit.quant.model import quantize_model
+from labkit.torchutil import quiet
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def calibration():
+    return torch.randint(2, 512, (8, 64), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not gptqmodel_available(), reason="GPTQModel and optimum are not installed")
+@pytest.mark.parametrize("bits", [3, 4])
+def test_a_labkit_checkpoint_loads_through_transformers(tiny, calibration, tmp_path, bits):
+    qm = quantize_model(tiny, QuantConfig(bits=bits, group_size=32), calibration, progress=False)
+    save_gptq(qm, None, tmp_path / "q")
+    hf = load_with_transformers(tmp_path / "q")
+    module = hf.model.layers[1].mlp.down_proj
+    assert type(module).__module__.startswith("gptqmodel")  # a packed kernel, not a dense nn.Linear
+    # every decoder linear (7 per block) runs one CPU kernel: ATen's int4 matmul, or plain torch for 3 bits
+    kernel = {4: "TorchAtenLinear (gptq_torch_aten)", 3: "TorchLinear (gptq_torch)"}[bits]
+    assert gptq_kernels(hf) == {kernel: 7 * hf.config.num_hidden_layers}
+    theirs = unpack_weight(
+        {k: getattr(module, k) for k in ("qweight", "qzeros", "scales", "g_idx")}, bits, module.in_features, v1=False
+    )  # GPTQModel converts to v2 on load
+    ours = qm.weights["model.layers.1.mlp.down_proj"]
+    assert torch.equal(theirs.codes, ours.codes) and torch.equal(theirs.zeros, ours.zeros)
+    ids = calibration[:2]
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits.float(), qm.model(ids).logits, rtol=0, atol=0.03)
+
+
+@pytest.mark.slow
+@pytest.mark.model
+@pytest.mark.skipif(not gptqmodel_available(), reason="GPTQModel and optimum are not installed")
+def test_a_labkit_checkpoint_loads_in_gptqmodel_itself(tiny, calibration, tmp_path):
+    from labkit.models import load_tokenizer
+
+    qm = quantize_model(tiny, QuantConfig(bits=4, group_size=32), calibration, progress=False)
+    save_gptq(qm, load_tokenizer(), tmp_path / "q")  # GPTQModel insists on a tokenizer
+    with quiet("GPTQModel.load"):
+        from gptqmodel import GPTQModel
+
+        loaded = GPTQModel.load(str(tmp_path / "q"), device="cpu")
+    ids = calibration[:2]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(ids).logits.float(), qm.model(ids).logits, rtol=0, atol=0.03)
+
+
+def test_loading_through_transformers_without_gptqmodel_says_what_to_install(monkeypatch, tmp_path):
+    monkeypatch.setattr(interop, "gptqmodel_available", lambda: False)
+    with pytest.raises(ImportError, match=r"labkit\[gptq\]"):
+        load_with_transformers(tmp_path)
