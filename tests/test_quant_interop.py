@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
 from labkit.models import tiny_llama
 from labkit.quant import interop
-from labkit.quant.checkpoint import save_gptq, unpack_weight
+from labkit.quant.checkpoint import load_gptq, save_gptq, unpack_weight
 from labkit.quant.grid import QuantConfig
-from labkit.quant.interop import gptq_kernels, gptqmodel_available, load_with_transformers
+from labkit.quant.interop import gptq_kernels, gptqmodel_available, load_with_transformers, quantize_with_gptqmodel
 from labkit.quant.model import quantize_model
 from labkit.torchutil import quiet
+
+FIXTURES = Path(__file__).parent / "fixtures"
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +72,53 @@ def test_loading_through_transformers_without_gptqmodel_says_what_to_install(mon
     monkeypatch.setattr(interop, "gptqmodel_available", lambda: False)
     with pytest.raises(ImportError, match=r"labkit\[gptq\]"):
         load_with_transformers(tmp_path)
+
+
+@pytest.mark.parametrize("chosen", [None, "3"])
+def test_the_gptqmodel_environment_lasts_for_the_call_only(monkeypatch, chosen):
+    """GPTQModel gets at most 4 CPU workers unless the user chose a number; afterwards the environment is the
+    caller's again, also the variables that importing GPTQModel sets for good (HF_HOME through tokenicer...)."""
+    if chosen is None:
+        monkeypatch.delenv("GPTQMODEL_CPU_WORKERS", raising=False)
+    else:
+        monkeypatch.setenv("GPTQMODEL_CPU_WORKERS", chosen)
+    monkeypatch.setenv("HF_HOME", "/home/student/hf")
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    before = dict(os.environ)
+    with pytest.raises(RuntimeError, match="in the call"), interop._gptqmodel_environ():
+        workers = os.environ["GPTQMODEL_CPU_WORKERS"]
+        assert workers == chosen if chosen else workers == str(min(os.cpu_count() or 1, 4))
+        os.environ["HF_HOME"] = "/tmp/tokenicer_hf_home"  # what importing GPTQModel 7.6 does
+        os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
+        raise RuntimeError("in the call")
+    assert dict(os.environ) == before
+
+
+@pytest.mark.slow
+@pytest.mark.model
+@pytest.mark.skipif(not gptqmodel_available(), reason="GPTQModel and optimum are not installed")
+def test_quantizing_with_gptqmodel_matches_the_fixture_and_leaves_no_trace(tmp_path, monkeypatch):
+    """The recipe of tests/fixtures/make_gptqmodel_tiny.py, run from an empty working directory: GPTQModel
+    writes its run log elsewhere (it would create logs/ here) and the environment is the caller's again."""
+    from labkit.models import load_tokenizer
+
+    model = tiny_llama()
+    generator = torch.Generator().manual_seed(0)
+    calibration = torch.randint(2, model.config.vocab_size, (16, 64), generator=generator)
+    model.save_pretrained(tmp_path / "fp32")
+    load_tokenizer().save_pretrained(tmp_path / "fp32")  # GPTQModel insists on a tokenizer
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    monkeypatch.delenv("GPTQMODEL_CPU_WORKERS", raising=False)
+    before = dict(os.environ)
+    dest = quantize_with_gptqmodel(
+        tmp_path / "fp32", calibration, QuantConfig(bits=4, group_size=32, damp=0.05), tmp_path / "q"
+    )
+    assert list((tmp_path / "cwd").iterdir()) == []
+    assert dict(os.environ) == before
+    from gptqmodel.looper import loop_processor  # imported after the call: its import-time variables are checked too
+
+    assert loop_processor._PROJECT_LOG_DIR == Path("logs")  # GPTQModel's own setting, back for its other callers
+    ours, shipped = load_gptq(dest), load_gptq(FIXTURES / "gptqmodel_tiny")
+    for name, q in shipped.weights.items():
+        assert torch.equal(ours.weights[name].codes, q.codes), name
