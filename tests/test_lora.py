@@ -7,8 +7,11 @@ import copy
 import pytest
 import torch
 
-from labkit import lora, quant, tasks, train
+from labkit import lora, tasks, train
 from labkit.models import count_parameters, tiny_llama
+from labkit.quant.formats import QuantConfig
+from labkit.quant.model import quantize_model
+from labkit.quant.packed import pack_model
 from tests.numerics import FLOAT64
 from tests.permissions import UMASK_CASES, modes, umask
 
@@ -155,7 +158,7 @@ def test_unknown_targets_list_the_available_names():
 
 def test_lora_on_a_quantized_base_trains_only_the_adapters(ids):
     """QLoRA-style: the frozen base holds lab 07's quantized weights; the adapters train in fp32."""
-    qm = quant.quantize_model(tiny_llama(), quant.QuantConfig(bits=4, group_size=32), method="rtn", progress=False)
+    qm = quantize_model(tiny_llama(), QuantConfig(bits=4, group_size=32), method="rtn", progress=False)
     model = qm.model
     base = {n: p.detach().clone() for n, p in model.named_parameters()}
     lora.add_lora(model, lora.ALL_LINEAR, r=4)
@@ -168,8 +171,8 @@ def test_lora_on_a_quantized_base_trains_only_the_adapters(ids):
 
 def test_lora_on_a_packed_4_bit_base_trains_and_merges(ids):
     """QLoRA proper: the base stays packed (4 bits per weight) while the fp32 adapters train on top."""
-    qm = quant.quantize_model(tiny_llama(), quant.QuantConfig(bits=4, group_size=32), method="rtn", progress=False)
-    model = quant.pack_model(qm)
+    qm = quantize_model(tiny_llama(), QuantConfig(bits=4, group_size=32), method="rtn", progress=False)
+    model = pack_model(qm)
     packed = {n: b.clone() for n, b in model.named_buffers() if n.endswith(".packed")}
     adapters = lora.add_lora(model, ("q_proj", "down_proj"), r=4)
     assert {type(a.base).__name__ for a in adapters.values()} == {"PackedLinear"}

@@ -14,7 +14,7 @@ def _column_case(seed: int, rows: int = 6, cols: int = 5, bits: int = 3):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(cols, 64, generator=g)
     x[1] += 0.9 * x[0]  # correlated inputs: the error update matters
-    u = quant._inverse_hessian_factor(2 * x @ x.T / 64, 0.01)
+    u = quant.inverse_hessian_factor(2 * x @ x.T / 64, 0.01)
     block = torch.randn(rows, cols, generator=g)
     scale, zero = quant.grid(block, quant.QuantConfig(bits=bits, group_size=-1))
     block[0, 0] = 3 * block[0].abs().max()  # beyond the grid: the code must be clamped

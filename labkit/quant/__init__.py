@@ -1,0 +1,53 @@
+"""Weight quantization: round-to-nearest and GPTQ from scratch, saved as standard GPTQ checkpoints.
+
+A quantized weight stores, per output row and per group of `group_size` input columns, a scale and a
+zero point; each weight becomes an integer code q in [0, 2^bits - 1] standing for scale * (q - zero).
+
+- `formats`: the formats (QuantConfig, QuantizedWeight), the grid, `quantize_rtn` (every weight to its
+  nearest grid point; no data needed) and the stored bits per weight.
+- `gptq`: `gptq_quantize` (Frantar et al., 2022). Quantize one input column at a time and spread its
+  rounding error over the columns not yet quantized, in proportion to the inverse Hessian
+  H = 2 X Xᵀ / n of the layer's calibration inputs, which minimizes ‖WX − ŴX‖² column by column.
+- `model`: `quantize_model`, the whole decoder, block by block: calibration activations flow through the
+  blocks already quantized, so each block corrects for the error of those before it.
+- `packed`: `PackedLinear` / `pack_model`, the codes kept packed in memory and dequantized on the fly, in
+  the forward and the backward: a 4-bit base to train LoRA adapters on (QLoRA, lab 08).
+- `checkpoint`: `save_gptq` / `load_gptq`, the classic "gptq" checkpoint (int32-packed qweight/qzeros,
+  fp16 scales, g_idx, `quantization_config` in config.json) that transformers (through GPTQModel) and
+  GPTQModel load; `load_gptq` also reads checkpoints that GPTQModel wrote.
+- `interop`: GPTQModel and transformers on the library side, for parity.
+
+The names below are those the labs, benchmarks and other labkit modules call as `quant.X`; everything else
+is imported from its module (`from labkit.quant.gptq import ...`).
+"""
+
+from labkit.quant.checkpoint import load_gptq, pack_rows, save_gptq
+from labkit.quant.formats import QuantConfig, bits_per_weight, grid, quantize_rtn
+from labkit.quant.gptq import gptq_quantize, hessian_error, inverse_hessian_factor, quantize_column
+from labkit.quant.interop import gptq_kernels, gptqmodel_available, load_with_transformers, quantize_with_gptqmodel
+from labkit.quant.model import METHODS, calibration_blocks, input_hessian, quantize_model, weight_bytes
+from labkit.quant.packed import pack_model
+
+__all__ = [
+    "METHODS",
+    "QuantConfig",
+    "bits_per_weight",
+    "calibration_blocks",
+    "gptq_kernels",
+    "gptq_quantize",
+    "gptqmodel_available",
+    "grid",
+    "hessian_error",
+    "input_hessian",
+    "inverse_hessian_factor",
+    "load_gptq",
+    "load_with_transformers",
+    "pack_model",
+    "pack_rows",
+    "quantize_column",
+    "quantize_model",
+    "quantize_rtn",
+    "quantize_with_gptqmodel",
+    "save_gptq",
+    "weight_bytes",
+]

@@ -1,0 +1,104 @@
+"""labkit.quant.gptq: GPTQ on one layer, the inverse-Hessian factor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labkit.quant.checkpoint import pack_weight, unpack_weight
+from labkit.quant.formats import QuantConfig, quantize_rtn
+from labkit.quant.gptq import gptq_quantize, hessian_error, inverse_hessian_factor
+from tests.numerics import FLOAT64, assert_within
+
+
+def correlated_inputs(n: int, dim: int, seed: int = 0) -> torch.Tensor:
+    """Inputs with strongly correlated features, as real activations have (where GPTQ beats RTN)."""
+    g = torch.Generator().manual_seed(seed)
+    factors = torch.randn(n, dim // 4, generator=g) @ torch.randn(dim // 4, dim, generator=g)
+    return factors + 0.1 * torch.randn(n, dim, generator=g)
+
+
+def hessian_of(x: torch.Tensor) -> torch.Tensor:
+    return 2 * x.T @ x / x.shape[0]
+
+
+@pytest.mark.parametrize("group_size", [16, -1])
+def test_gptq_with_a_diagonal_hessian_is_round_to_nearest(group_size):
+    """No correlation between inputs: no error to propagate, so GPTQ must reduce to RTN exactly."""
+    w = torch.randn(16, 64)
+    h = torch.diag(torch.rand(64) + 0.5)
+    cfg = QuantConfig(bits=3, group_size=group_size, block_size=32)
+    assert torch.equal(gptq_quantize(w, h, cfg).codes, quantize_rtn(w, cfg).codes)
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_beats_rtn_on_correlated_inputs(bits, act_order):
+    w = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
+    x = correlated_inputs(512, 64)
+    h = hessian_of(x)
+    cfg = QuantConfig(bits=bits, group_size=16, act_order=act_order, block_size=32)
+    gptq = gptq_quantize(w, h, cfg).dequantize()
+    rtn = quantize_rtn(w, cfg).dequantize()
+    out_err = lambda wq: ((x @ (w - wq).T) ** 2).sum() / ((x @ w.T) ** 2).sum()  # noqa: E731
+    assert out_err(gptq) < 0.8 * out_err(rtn)
+    assert hessian_error(w, gptq, h) == pytest.approx(float(out_err(gptq)), rel=1e-3)
+
+
+def test_gptq_act_order_groups_are_full_and_consistent():
+    w = torch.randn(8, 64)
+    h = hessian_of(correlated_inputs(256, 64))
+    q = gptq_quantize(w, h, QuantConfig(bits=4, group_size=16, act_order=True))
+    assert sorted(torch.bincount(q.g_idx.long()).tolist()) == [16, 16, 16, 16]
+    assert not torch.equal(q.g_idx, torch.arange(64, dtype=torch.int32) // 16)  # columns were reordered
+    back = unpack_weight(pack_weight(q), 4, 64)
+    assert torch.equal(back.dequantize(), q.dequantize())
+
+
+def test_gptq_dead_inputs_get_zero_weights():
+    w = torch.randn(8, 32)
+    x = correlated_inputs(128, 32)
+    x[:, 5] = 0
+    q = gptq_quantize(w, hessian_of(x), QuantConfig(bits=4, group_size=16))
+    assert (q.dequantize()[:, 5] == 0).all()
+
+
+def test_gptq_singular_hessian_without_damping_is_a_clear_error():
+    x = correlated_inputs(8, 32)  # 8 tokens cannot span 32 dimensions
+    with pytest.raises(ValueError, match="not positive definite"):
+        gptq_quantize(torch.randn(4, 32), hessian_of(x), QuantConfig(group_size=16, damp=0.0))
+
+
+def test_gptq_rejects_a_hessian_of_the_wrong_shape():
+    with pytest.raises(ValueError, match=r"hessian must be \[32, 32\]"):
+        gptq_quantize(torch.randn(4, 32), torch.eye(16), QuantConfig(group_size=16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_inverse_hessian_factor_leaves_the_hessian_alone_and_keeps_its_dtype(dtype):
+    x = correlated_inputs(256, 32).to(dtype)
+    h = 2 * x.T @ x / 256
+    before = h.clone()
+    u = inverse_hessian_factor(h, damp=0.01)
+    assert torch.equal(h, before) and u.dtype == dtype
+    damped = before.double() + 0.01 * before.double().diagonal().mean() * torch.eye(32, dtype=torch.float64)
+    expected, uu = torch.linalg.inv(damped), u.double()  # U is the upper factor of the damped H⁻¹
+    # U rounded to `dtype` moves each product U_ki·U_kj by up to ~2 roundoffs of it; plus float64's own error
+    bound = 3 * torch.finfo(dtype).eps * (uu.abs().T @ uu.abs()) + FLOAT64["atol"] * expected.abs().max()
+    assert_within(uu.T @ uu, expected, bound)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_layers_sharing_an_input_quantize_stacked_as_each_alone(act_order):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 512, generator=g)
+    x[1] += x[0]
+    h = 2 * x @ x.T / 512
+    a, b = torch.randn(8, 64, generator=g), torch.randn(4, 64, generator=g)
+    cfg = QuantConfig(bits=4, group_size=16, act_order=act_order)
+    both = gptq_quantize(torch.cat([a, b]), h, cfg)
+    for w, part in ((a, both.rows(0, 8)), (b, both.rows(8, 12))):
+        alone = gptq_quantize(w, h, cfg)
+        assert torch.equal(part.codes, alone.codes) and torch.equal(part.g_idx, alone.g_idx)
+        assert torch.equal(part.zeros, alone.zeros)
+        torch.testing.assert_close(part.scales, alone.scales)
