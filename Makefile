@@ -41,11 +41,12 @@ lab: prepare
 	$(RUN) GPTQMODEL_OFFLINE=$(GPTQMODEL_OFFLINE) $(PY) -m labkit lab $(LAB_ARGS)
 
 # The suite runs on TEST_WORKERS processes (pytest-xdist; 0 = one process): each test file, and each
-# notebook with all its cells in one kernel (--dist loadscope), stays on one worker. Where the time
-# went is written to tests/durations.txt (kept in the repository).
+# notebook with all its cells in one kernel (--dist loadscope), stays on one worker. With workers, torch
+# gets one thread per process: two processes of two threads on two cores spin against each other (a
+# notebook took 4x longer). Where the time went is written to tests/durations.txt (kept in the repository).
 test: prepare lint
 	$(RUN) LABKIT_PROFILE=smoke HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 GPTQMODEL_OFFLINE=$(GPTQMODEL_OFFLINE) \
-	  LABKIT_DURATIONS=tests/durations.txt \
+	  LABKIT_DURATIONS=tests/durations.txt $(if $(filter 0,$(TEST_WORKERS)),,OMP_NUM_THREADS=1) \
 	  $(PY) -m pytest labs tests -p tests.durations -n $(TEST_WORKERS) --dist loadscope \
 	  --nbval-lax --nbval-cell-timeout=600 --durations=15 $(PYTEST_ARGS)
 
