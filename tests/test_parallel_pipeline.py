@@ -66,12 +66,16 @@ def test_bubble_fraction_of_a_known_timeline():
     assert pipeline.bubble_fraction(events) == 0.5  # each rank busy 1 of 2 time units
 
 
-@pytest.fixture(scope="module", params=["gpipe", "1f1b"])
-def run(request):
-    res = launch.launch(
-        SCRIPT, nproc=2, args=["--schedule", request.param, "--microbatches", "4"], echo=None, timeout=240
-    )
-    return request.param, res
+@pytest.fixture(scope="module")
+def both_schedules():
+    """Both schedules at 4 micro-batches, in one launch: {schedule: [rank 0's result, rank 1's]}."""
+    per_rank = launch.launch(SCRIPT, nproc=2, args=["--runs", "gpipe:4", "1f1b:4"], echo=None, timeout=240)
+    return {s: [rank["runs"][i] for rank in per_rank] for i, s in enumerate(("gpipe", "1f1b"))}
+
+
+@pytest.fixture(params=["gpipe", "1f1b"])
+def run(request, both_schedules):
+    return request.param, both_schedules[request.param]
 
 
 def test_schedule_matches_the_unsplit_model(run):
@@ -133,4 +137,4 @@ def test_schedule_order_refuses_bad_arguments():
 
 def test_1f1b_with_too_few_microbatches_is_refused():
     with pytest.raises(launch.RankError, match="at least as many micro-batches as stages"):
-        launch.launch(SCRIPT, nproc=2, args=["--schedule", "1f1b", "--microbatches", "1"], echo=None, timeout=120)
+        launch.launch(SCRIPT, nproc=2, args=["--runs", "gpipe:1", "1f1b:1"], echo=None, timeout=120)

@@ -1,7 +1,9 @@
 """Pipeline parallelism under torchrun: each rank holds one stage of a Llama; GPipe or 1F1B runs the
 micro-batches; the script checks loss and gradients against the unsplit model and records a timeline.
 
-    torchrun --standalone --nproc_per_node=2 labs/scripts/pipeline_run.py --schedule 1f1b --microbatches 4
+One launch runs every configuration asked for (at lab sizes, starting the ranks costs more than a run):
+
+    torchrun --standalone --nproc_per_node=2 labs/scripts/pipeline_run.py --runs gpipe:4 1f1b:4 1f1b:8
 """
 
 import argparse
@@ -13,13 +15,20 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from labkit.models import tiny_llama
 from labkit.parallel.launch import rank_context, save_result
-from labkit.parallel.pipeline import LlamaStage, StageTimeline, max_in_flight, saved_activation_bytes
+from labkit.parallel.pipeline import SCHEDULES, LlamaStage, StageTimeline, max_in_flight, saved_activation_bytes
+
+
+def parse_run(text: str) -> tuple[str, int]:
+    """'1f1b:8' -> ("1f1b", 8)."""
+    schedule, _, microbatches = text.partition(":")
+    if schedule not in SCHEDULES or not microbatches.isdigit() or int(microbatches) < 1:
+        raise argparse.ArgumentTypeError(f"expected SCHEDULE:M with SCHEDULE in {SCHEDULES} and M >= 1, got {text!r}")
+    return schedule, int(microbatches)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe")
-    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--runs", type=parse_run, nargs="+", default=[("gpipe", 4)], metavar="SCHEDULE:M")
     parser.add_argument("--microbatch-size", type=int, default=2)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=128)
@@ -27,84 +36,88 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps after the checked one")
     args = parser.parse_args()
     with rank_context() as (rank, world, device):
-        if args.schedule == "1f1b" and args.microbatches < world:
-            raise ValueError(f"1F1B needs at least as many micro-batches as stages ({world}), got {args.microbatches}")
-        model = tiny_llama(
-            vocab_size=512,
-            hidden_size=args.hidden,
-            num_layers=args.layers,
-            num_heads=4,
-            num_kv_heads=2,
-            intermediate_size=3 * args.hidden,
-            max_position_embeddings=args.seq,
-            tie_word_embeddings=False,
-            seed=0,
-        ).to(device)
-        model.train()
-        batch = torch.randint(
-            0, 512, (args.microbatches * args.microbatch_size, args.seq + 1), generator=torch.Generator().manual_seed(1)
-        ).to(device)
-        x, y = batch[:, :-1], batch[:, 1:]
+        for schedule, microbatches in args.runs:
+            if schedule == "1f1b" and microbatches < world:
+                raise ValueError(f"1F1B needs at least as many micro-batches as stages ({world}), got {microbatches}")
+        save_result({"runs": [run(schedule, m, args, rank, world, device) for schedule, m in args.runs]})
 
-        def loss_fn(logits, target):
-            return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
-        reference = copy.deepcopy(model)
-        ref_loss = loss_fn(reference(input_ids=x).logits, y)
-        ref_loss.backward()
+def run(schedule_name: str, microbatches: int, args: argparse.Namespace, rank: int, world: int, device) -> dict:
+    """One configuration: check one step against the unsplit model, then time `args.steps` steps."""
+    model = tiny_llama(
+        vocab_size=512,
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=3 * args.hidden,
+        max_position_embeddings=args.seq,
+        tie_word_embeddings=False,
+        seed=0,
+    ).to(device)
+    model.train()
+    batch = torch.randint(
+        0, 512, (microbatches * args.microbatch_size, args.seq + 1), generator=torch.Generator().manual_seed(1)
+    ).to(device)
+    x, y = batch[:, :-1], batch[:, 1:]
 
-        stage_module = LlamaStage(model, rank, world)
-        stage = PipelineStage(stage_module, stage_index=rank, num_stages=world, device=device)
-        schedule = (ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B)(
-            stage, n_microbatches=args.microbatches, loss_fn=loss_fn
-        )
+    def loss_fn(logits, target):
+        return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
-        def step():
-            losses = []
-            if rank == 0:
-                schedule.step(x)
-            elif rank == world - 1:
-                schedule.step(target=y, losses=losses)
-            else:
-                schedule.step()
-            return losses
+    reference = copy.deepcopy(model)
+    ref_loss = loss_fn(reference(input_ids=x).logits, y)
+    ref_loss.backward()
 
-        losses = step()
-        ref_grads = dict(reference.named_parameters())
-        grad_diff = max(
-            (p.grad - ref_grads[n].grad).abs().max().item() for n, p in model.named_parameters() if p.grad is not None
-        )
-        loss_diff = abs(torch.stack(losses).mean().item() - ref_loss.item()) if losses else None
+    stage_module = LlamaStage(model, rank, world)
+    stage = PipelineStage(stage_module, stage_index=rank, num_stages=world, device=device)
+    schedule = (ScheduleGPipe if schedule_name == "gpipe" else Schedule1F1B)(
+        stage, n_microbatches=microbatches, loss_fn=loss_fn
+    )
 
-        # What one micro-batch leaves in memory for backward on this stage.
-        inputs = (
-            x[: args.microbatch_size]
-            if rank == 0
-            else torch.randn(args.microbatch_size, args.seq, args.hidden, device=device, requires_grad=True)
-        )
-        activation_bytes = saved_activation_bytes(stage_module, inputs)
+    def step():
+        losses = []
+        if rank == 0:
+            schedule.step(x)
+        elif rank == world - 1:
+            schedule.step(target=y, losses=losses)
+        else:
+            schedule.step()
+        return losses
+
+    losses = step()
+    ref_grads = dict(reference.named_parameters())
+    grad_diff = max(
+        (p.grad - ref_grads[n].grad).abs().max().item() for n, p in model.named_parameters() if p.grad is not None
+    )
+    loss_diff = abs(torch.stack(losses).mean().item() - ref_loss.item()) if losses else None
+
+    # What one micro-batch leaves in memory for backward on this stage.
+    inputs = (
+        x[: args.microbatch_size]
+        if rank == 0
+        else torch.randn(args.microbatch_size, args.seq, args.hidden, device=device, requires_grad=True)
+    )
+    activation_bytes = saved_activation_bytes(stage_module, inputs)
+    model.zero_grad(set_to_none=True)
+
+    timeline = StageTimeline(stage, rank, device)
+    for _ in range(args.steps):
         model.zero_grad(set_to_none=True)
-
-        timeline = StageTimeline(stage, rank, device)
-        for _ in range(args.steps):
-            model.zero_grad(set_to_none=True)
-            timeline.start()  # keep the last step's timeline
-            torch.distributed.barrier()
-            step()
-        events = timeline.events()
-        save_result(
-            {
-                "rank": rank,
-                "world": world,
-                "schedule": args.schedule,
-                "microbatches": args.microbatches,
-                "max_grad_diff": grad_diff,
-                "loss_diff": loss_diff,
-                "events": events,
-                "activation_bytes_per_microbatch": activation_bytes,
-                "max_in_flight": max_in_flight(events, rank),
-            }
-        )
+        timeline.start()  # keep the last step's timeline
+        torch.distributed.barrier()
+        step()
+    events = timeline.events()
+    return {
+        "rank": rank,
+        "world": world,
+        "schedule": schedule_name,
+        "microbatches": microbatches,
+        "max_grad_diff": grad_diff,
+        "loss_diff": loss_diff,
+        "events": events,
+        "activation_bytes_per_microbatch": activation_bytes,
+        "max_in_flight": max_in_flight(events, rank),
+    }
 
 
 if __name__ == "__main__":
