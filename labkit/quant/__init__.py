@@ -16,11 +16,13 @@ zero point; each weight becomes an integer code q in [0, 2^bits - 1] standing fo
   fp16 scales, g_idx, `quantization_config` in config.json) that transformers (through GPTQModel) and
   GPTQModel load; `load_gptq` also reads checkpoints that GPTQModel wrote.
 - `interop`: GPTQModel and transformers on the library side, for parity.
+- `cache`: `quantize_model_cached`, a whole-model quantization done once and reused (labs 07 and 08 share it).
 
 The names below are those the labs, benchmarks and other labkit modules call as `quant.X`; everything else
 is imported from its module (`from labkit.quant.gptq import ...`).
 """
 
+from labkit.quant.cache import quantize_model_cached
 from labkit.quant.checkpoint import load_gptq, pack_rows, save_gptq
 from labkit.quant.formats import QuantConfig, bits_per_weight, grid, quantize_rtn
 from labkit.quant.gptq import gptq_quantize, hessian_error, inverse_hessian_factor, quantize_column
@@ -46,6 +48,7 @@ __all__ = [
     "pack_rows",
     "quantize_column",
     "quantize_model",
+    "quantize_model_cached",
     "quantize_rtn",
     "quantize_with_gptqmodel",
     "save_gptq",
