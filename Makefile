@@ -42,8 +42,9 @@ lab: prepare
 
 # The suite runs on TEST_WORKERS processes (pytest-xdist; 0 = one process): each test file, and each
 # notebook with all its cells in one kernel (--dist loadscope), stays on one worker. With workers, torch
-# gets one thread per process: two processes of two threads on two cores spin against each other (a
-# notebook took 4x longer). Where the time went is written to tests/durations.txt (kept in the repository).
+# gets one thread per process: two processes of two threads on two cores spin against each other (on
+# the 2-core CI machine the first two notebooks had not finished after 10 minutes that way; with one
+# thread each the whole suite took 13). Where the time went is written to tests/durations.txt.
 test: prepare lint
 	$(RUN) LABKIT_PROFILE=smoke HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 GPTQMODEL_OFFLINE=$(GPTQMODEL_OFFLINE) \
 	  LABKIT_DURATIONS=tests/durations.txt $(if $(filter 0,$(TEST_WORKERS)),,OMP_NUM_THREADS=1) \
