@@ -20,7 +20,7 @@ from torch import nn
 
 from labkit import assets, bench, tasks, train
 from labkit.models import count_parameters
-from labkit.torchutil import quiet
+from labkit.torchutil import environ, quiet
 
 ALL_LINEAR = "all-linear"
 
@@ -269,12 +269,15 @@ def finetune_and_score(
 # ----------------------------------------------------------------------------- PEFT
 
 
-def _quiet_peft() -> contextlib.AbstractContextManager[None]:
+@contextlib.contextmanager
+def _quiet_peft() -> Iterator[None]:
     """Silence what PEFT prints that says nothing about the adapters: importing peft imports GPTQModel when it
-    is installed (a banner of a dozen lines), and peft 0.21 calls a transformers-5 deprecated method.
+    is installed (a banner of a dozen lines, and environment variables such as HF_HOME set for good, undone
+    here), and peft 0.21 calls a transformers-5 deprecated method.
 
     peft is imported inside the functions that use it, under this guard, for that reason."""
-    return quiet("PEFT", ignore_warnings=(".*is_gradient_checkpointing.*",))
+    with environ(), quiet("PEFT", ignore_warnings=(".*is_gradient_checkpointing.*",)):
+        yield
 
 
 def apply_peft(

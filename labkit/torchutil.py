@@ -75,17 +75,16 @@ def seeded(seed: int, device: str | torch.device | None = None) -> Iterator[None
 
 @contextlib.contextmanager
 def environ(**values: str) -> Iterator[None]:
-    """Set environment variables for the duration of a call and restore them after (unset stays unset)."""
-    before = {name: os.environ.get(name) for name in values}
+    """Set environment variables for a call, then give the whole environment back as it was: also what the
+    call itself set (GPTQModel and PEFT set variables for good when imported) is undone."""
+    before = dict(os.environ)
     os.environ.update(values)
     try:
         yield
     finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        for name in os.environ.keys() - before.keys():
+            del os.environ[name]
+        os.environ.update(before)
 
 
 @contextlib.contextmanager

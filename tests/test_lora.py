@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -65,7 +66,9 @@ def test_lora_linear_rejects_bad_settings(kwargs):
 def test_from_scratch_matches_peft_outputs_and_gradients(ids, targets):
     ours, theirs = tiny_llama(), tiny_llama()
     lora.add_lora(ours, targets, r=4, alpha=8)
+    environment = dict(os.environ)
     peft_model = lora.apply_peft(theirs, targets, r=4, alpha=8)
+    assert dict(os.environ) == environment  # importing peft (and GPTQModel with it) sets HF_HOME and more for good
     randomize_b(peft_model)
     assert lora.adapter_difference(peft_model, ours) > 0  # independent random A
     lora.copy_from_peft(peft_model, ours)

@@ -43,11 +43,15 @@ def test_eval_mode_turns_dropout_off_and_restores_the_mode_even_after_an_error(t
 def test_environ_sets_for_the_call_and_restores_set_and_unset_variables(monkeypatch):
     monkeypatch.setenv("LABKIT_TEST_SET", "before")
     monkeypatch.delenv("LABKIT_TEST_UNSET", raising=False)
+    monkeypatch.delenv("LABKIT_TEST_BY_THE_CALL", raising=False)
+    before = dict(os.environ)
     with pytest.raises(RuntimeError), torchutil.environ(LABKIT_TEST_SET="during", LABKIT_TEST_UNSET="1"):
         assert (os.environ["LABKIT_TEST_SET"], os.environ["LABKIT_TEST_UNSET"]) == ("during", "1")
+        os.environ["LABKIT_TEST_BY_THE_CALL"] = "a library's import set this"
         raise RuntimeError
     assert os.environ["LABKIT_TEST_SET"] == "before"
-    assert "LABKIT_TEST_UNSET" not in os.environ
+    assert "LABKIT_TEST_UNSET" not in os.environ and "LABKIT_TEST_BY_THE_CALL" not in os.environ
+    assert dict(os.environ) == before
 
 
 def test_quiet_holds_back_output_and_named_warnings_and_shows_the_output_on_failure(capsys):

@@ -30,15 +30,9 @@ def _gptqmodel_environ() -> Iterator[None]:
     call only; and the environment as it was after it. GPTQModel reads the variable when it first builds its
     thread pool, inside the call; importing it sets variables of its own for good (HF_HOME and three more HF
     cache paths through tokenicer, PYTORCH_ALLOC_CONF, CUDA_DEVICE_ORDER), undone here too."""
-    before = dict(os.environ)
     workers = os.environ.get("GPTQMODEL_CPU_WORKERS", str(max(1, min(os.cpu_count() or 1, 4))))
-    try:
-        with environ(GPTQMODEL_CPU_WORKERS=workers):
-            yield
-    finally:
-        for name in os.environ.keys() - before.keys():
-            del os.environ[name]
-        os.environ.update(before)
+    with environ(GPTQMODEL_CPU_WORKERS=workers):
+        yield
 
 
 @contextlib.contextmanager
