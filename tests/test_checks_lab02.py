@@ -39,6 +39,17 @@ def test_kept_fraction_check_passes_the_reference():
     assert "passed" in lab02.check_kept_fraction(precision.kept_fraction)
 
 
+def test_kept_fraction_check_passes_a_float32_mean():
+    """The notebook's solution averages in float32 (4/7 -> 0.5714285969734192), not exactly: still right."""
+
+    def float32_mean(v, dtype, scale):
+        nonzero = v[v != 0]
+        return ((nonzero * scale).to(dtype) != 0).float().mean().item()
+
+    assert float32_mean(torch.tensor([1e-3, 1e-6, 1e-8, 3e-9, 1e-10, 2.0, 0.0, -5e-8]), torch.float16, 1.0) != 4 / 7
+    assert "passed" in lab02.check_kept_fraction(float32_mean)
+
+
 @pytest.mark.parametrize(
     "wrong, hint",
     [
