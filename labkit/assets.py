@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from labkit import __version__
 
@@ -262,15 +263,36 @@ def write_manifest(directory: Path, source: str) -> Path:
 _verified: set[tuple[str, int]] = set()
 
 
+def _manifest_problem(manifest: Any) -> str | None:
+    """None if `manifest` has the shape write_manifest gives it, else what is off (valid JSON can still be wrong)."""
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        return "no 'files' object"
+    for name, want in files.items():
+        if name in ("", ".", "..") or "/" in name or "\\" in name:
+            return f"file name {name!r} is not a plain name"
+        if not isinstance(want, dict):
+            return f"the entry for {name} is not an object"
+        if not isinstance(want.get("bytes"), int) or isinstance(want.get("bytes"), bool) or want["bytes"] < 0:
+            return f"the entry for {name} has no byte count"
+        sha = want.get("sha256")
+        if not isinstance(sha, str) or len(sha) != 64:
+            return f"the entry for {name} has no SHA-256 digest"
+    return None
+
+
 def check_manifest(directory: Path) -> str | None:
     """None if every file matches the manifest, else a sentence saying what is wrong."""
     mpath = directory / MANIFEST
     if not mpath.is_file():
         return f"{directory} has no {MANIFEST} (an interrupted or foreign build)"
     try:
-        files = json.loads(mpath.read_text())["files"]
-    except (ValueError, KeyError) as err:
+        files = json.loads(mpath.read_text())
+    except (ValueError, OSError) as err:
         return f"{mpath} is unreadable ({err})"
+    if malformed := _manifest_problem(files):
+        return f"{mpath} is inconsistent: {malformed}"
+    files = files["files"]
     key = (str(directory.resolve()), mpath.stat().st_mtime_ns)
     for name, want in files.items():
         path = directory / name

@@ -84,6 +84,57 @@ def test_damaged_cache_entry_is_detected_and_rebuilt(tmp_path, damage, capsys):
     assert "rebuilding" in capsys.readouterr().out
 
 
+def _edit_manifest(edit):
+    def damage(d):
+        path = d / assets.MANIFEST
+        path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+
+    return damage
+
+
+def _drop_sha(m):
+    del m["files"]["config.json"]["sha256"]
+    return m
+
+
+@pytest.mark.parametrize(
+    "damage, problem",
+    [
+        (_edit_manifest(_drop_sha), "config.json has no SHA-256"),
+        (_edit_manifest(lambda m: [m]), "no 'files' object"),
+        (_edit_manifest(lambda m: {**m, "files": list(m["files"])}), "no 'files' object"),
+        (_edit_manifest(lambda m: {k: v for k, v in m.items() if k != "files"}), "no 'files' object"),
+        (_edit_manifest(lambda m: {**m, "files": {**m["files"], "config.json": "x"}}), "not an object"),
+        (
+            _edit_manifest(lambda m: {**m, "files": {**m["files"], "config.json": {"bytes": "2", "sha256": "0" * 64}}}),
+            "config.json has no byte count",
+        ),
+        (_edit_manifest(lambda m: {**m, "files": {"../outside": m["files"]["config.json"]}}), "not a plain name"),
+    ],
+    ids=["no-sha256", "list", "files-list", "no-files", "entry-str", "bytes-str", "path-outside"],
+)
+def test_valid_json_but_inconsistent_manifest_is_rebuilt(tmp_path, damage, problem, capsys):
+    build, calls = _build_counter()
+    dest = tmp_path / "entry"
+    assets.cached_build(dest, build, source="test")
+    damage(dest)
+    assert problem in assets.check_manifest(dest)
+    assets.cached_build(dest, build, source="test")
+    assert len(calls) == 2 and assets.check_manifest(dest) is None
+    assert "rebuilding" in capsys.readouterr().out
+
+
+def test_inconsistent_manifest_in_a_read_only_cache_names_the_fix(tmp_path, monkeypatch):
+    build, calls = _build_counter()
+    dest = tmp_path / "entry"
+    assets.cached_build(dest, build, source="test")
+    _edit_manifest(_drop_sha)(dest)
+    monkeypatch.setattr(assets, "write_access_problem", lambda d: "cache X is not writable: run `labkit prepare`")
+    with pytest.raises(assets.AssetError, match="has no SHA-256.*labkit prepare"):
+        assets.cached_build(dest, build, source="test")
+    assert len(calls) == 1
+
+
 def test_unwritable_cache_gives_clear_error(tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
