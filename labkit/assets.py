@@ -146,6 +146,25 @@ def write_access_problem(dest: str | Path) -> str | None:
     return None
 
 
+def output_path_problem(path: str | Path, directory: bool) -> str | None:
+    """None if a file (directory=False) or directory can be written at `path`, else why not: checked before
+    a long run starts rather than found out at its first save."""
+    path = Path(path).absolute()
+    kind = "a directory" if directory else "a file"
+    if path.exists():
+        if path.is_dir() != directory:
+            return f"{path} exists and is not {kind}"
+        return None if os.access(path, os.W_OK) else f"{path} is not writable by user {_user()}"
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{path} cannot be created: {parent} is a file"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{path} cannot be created: {parent} is not writable by user {_user()}"
+    return None
+
+
 # ----------------------------------------------------------------------------- atomic writes
 
 

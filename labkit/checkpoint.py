@@ -1,15 +1,18 @@
 """Training checkpoints that resume the exact trajectory: weights, optimizer, loss scaler, data position, RNG.
 
-A checkpoint is a directory step_NNNNNN/ written atomically (built under a temporary name, renamed
-when whole) with a manifest of checksums; loading checks the manifest and the model's shapes
-before a single tensor is copied.
+A checkpoint is a directory step_N/ (zero-padded to six digits for the eye; ordered by the number,
+of any width) written atomically — built under a temporary name, renamed when whole — with a
+manifest of checksums. Resume takes the newest one that verifies and says which it skipped and why;
+loading checks the manifest and the model's shapes before a single tensor is copied.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -58,6 +61,7 @@ def save_checkpoint(
 ) -> Path:
     """Write step_NNNNNN/ atomically: weights and optimizer tensors as safetensors, the rest as JSON."""
     dest = Path(directory) / f"step_{step:06d}"
+    remove_unfinished(directory)
     opt = optimizer.state_dict()
     opt_tensors = {
         f"{pid}.{key}": value
@@ -80,15 +84,51 @@ def save_checkpoint(
         }
         assets.atomic_write_text(tmp / "trainer.json", json.dumps(state, indent=1))
         assets.write_manifest(tmp, source="labkit.train")
-    for old in sorted(Path(directory).glob("step_*"))[: -cfg.keep_checkpoints]:
+    for _, old in checkpoints(directory)[: -cfg.keep_checkpoints]:
         shutil.rmtree(old)
     return dest
 
 
+_STEP_DIR = re.compile(r"step_(\d+)")
+
+
+def checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
+    """(step, path) of every step_N directory in `directory`, oldest first by number: step_1000000 after
+    step_999999, which sorting the names as text gets wrong. Unfinished writes (.step_*.tmp) are not listed."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [(m, p) for p in directory.iterdir() if (m := _STEP_DIR.fullmatch(p.name)) and p.is_dir()]
+    return sorted((int(m.group(1)), p) for m, p in found)
+
+
+def remove_unfinished(directory: str | Path) -> list[Path]:
+    """Delete the temporary directories that writes killed mid-way left behind; return what was removed."""
+    directory = Path(directory)
+    leftovers = sorted(p for p in directory.glob(".step_*.tmp") if p.is_dir()) if directory.is_dir() else []
+    for path in leftovers:
+        shutil.rmtree(path, ignore_errors=True)
+    return leftovers
+
+
 def latest_checkpoint(directory: str | Path) -> Path | None:
-    """The newest finished checkpoint in `directory` (temporary, unfinished ones are never listed)."""
-    found = sorted(Path(directory).glob("step_*")) if Path(directory).is_dir() else []
-    return found[-1] if found else None
+    """The newest checkpoint in `directory` that verifies (manifest and checksums), warning about each newer
+    one skipped and why; None if there is none; ValueError if there are some and none verifies."""
+    skipped = []
+    for _, path in reversed(checkpoints(directory)):
+        problem = assets.check_manifest(path)
+        if problem is None:
+            for bad, why in skipped:
+                warnings.warn(f"skipping checkpoint {bad.name}: {why}; resuming from {path.name}", stacklevel=2)
+            return path
+        skipped.append((path, problem))
+    if skipped:
+        detail = "; ".join(f"{p.name}: {why}" for p, why in skipped)
+        raise ValueError(
+            f"no checkpoint in {directory} verifies ({detail}): remove them to start afresh, "
+            "or give another checkpoint_dir"
+        )
+    return None
 
 
 def load_checkpoint(

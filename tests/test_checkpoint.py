@@ -1,10 +1,18 @@
-"""Checkpoints: a direct round trip restores weights, optimizer, scaler and RNG; files follow the umask."""
+"""Checkpoints: a direct round trip restores weights, optimizer, scaler and RNG; files follow the umask;
+resume orders steps by number and survives SIGKILL during a write."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from labkit.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from labkit.checkpoint import checkpoints, latest_checkpoint, load_checkpoint, save_checkpoint
 from labkit.models import tiny_gpt2
 from labkit.train import TrainConfig, make_optimizer
 from tests.permissions import UMASK_CASES, modes, umask
@@ -42,6 +50,57 @@ def test_round_trip_restores_weights_optimizer_scaler_and_the_rng(tmp_path):
 def test_latest_checkpoint_is_none_where_there_is_none(tmp_path):
     assert latest_checkpoint(tmp_path / "absent") is None
     assert latest_checkpoint(tmp_path) is None
+    (tmp_path / ".step_000001.abc.tmp").mkdir()  # unfinished writes and other names are not checkpoints
+    (tmp_path / "step_2").write_text("a file")
+    (tmp_path / "step_x").mkdir()
+    assert latest_checkpoint(tmp_path) is None and checkpoints(tmp_path) == []
+
+
+def test_steps_past_a_million_order_by_number_in_resume_and_rotation(tmp_path):
+    model, optimizer, cfg = _trained()
+    cfg.keep_checkpoints = 2
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    for step in (999_998, 999_999, 1_000_000, 1_000_001):
+        save_checkpoint(tmp_path, model, optimizer, scaler, step, {"epoch": 0, "index": step}, cfg)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1000000", "step_1000001"]
+    assert latest_checkpoint(tmp_path).name == "step_1000001"
+    assert [s for s, _ in checkpoints(tmp_path)] == [1_000_000, 1_000_001]
+    assert load_checkpoint(latest_checkpoint(tmp_path), model)["step"] == 1_000_001
+
+
+def test_a_save_removes_what_an_interrupted_save_left(tmp_path):
+    model, optimizer, cfg = _trained()
+    leftover = tmp_path / ".step_000001.k9.tmp"
+    leftover.mkdir(parents=True)
+    (leftover / "model.safetensors").write_bytes(b"half")
+    save_checkpoint(tmp_path, model, optimizer, torch.amp.GradScaler("cpu", enabled=False), 2, {}, cfg)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000002"]
+
+
+SAVE_LOOP = Path(__file__).parent / "scripts" / "save_checkpoints.py"
+
+
+@pytest.mark.slow
+def test_sigkill_during_saves_leaves_a_checkpoint_to_resume_from(tmp_path):
+    """Kill a process that saves checkpoints back to back, the moment a write is under way; repeat."""
+    mid_write = 0
+    for attempt in range(4):
+        work = tmp_path / f"run{attempt}"
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+        proc = subprocess.Popen([sys.executable, str(SAVE_LOOP), str(work)], env=env)
+        deadline = time.time() + 120
+        while time.time() < deadline and not (checkpoints(work) and list(work.glob(".step_*.tmp"))):
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        mid_write += bool(list(work.glob(".step_*.tmp")))
+        latest = latest_checkpoint(work)  # never the unfinished one
+        fresh = tiny_gpt2(vocab_size=2048, hidden_size=128, num_layers=4, num_heads=4, seed=1)  # the script's shape
+        state = load_checkpoint(latest, fresh)
+        assert state["data"] == {"epoch": 0, "index": state["step"]}
+        if mid_write:
+            break
+    assert mid_write, "no kill landed during a write"
 
 
 @pytest.mark.parametrize("mask, file_mode, dir_mode", UMASK_CASES)
