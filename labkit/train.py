@@ -11,7 +11,9 @@ shipped that bug until October 2024.)
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,8 +25,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
-from labkit import bench, precision
-from labkit.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from labkit import assets, bench, precision
+from labkit.checkpoint import latest_checkpoint, load_checkpoint, remove_unfinished, save_checkpoint
 from labkit.torchutil import activation_checkpointing, seeded
 
 SCHEDULES = ("cosine", "linear", "constant")
@@ -55,6 +57,23 @@ class TrainConfig:
     extra: dict[str, Any] = field(default_factory=dict)  # free-form notes saved with the run
 
     def __post_init__(self) -> None:
+        counts = ("steps", "accum_steps", "warmup_steps", "checkpoint_every", "keep_checkpoints", "seed")
+        for name in counts:
+            if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be an int, got {getattr(self, name)!r}")
+        for name in ("lr", "min_lr", "weight_decay") + (("grad_clip",) if self.grad_clip is not None else ()):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise TypeError(f"{name} must be a finite number, got {value!r}")
+        for name in ("checkpoint_dir", "log_path"):  # kept as text: the config is saved as JSON in checkpoints
+            if isinstance(getattr(self, name), os.PathLike):
+                setattr(self, name, os.fspath(getattr(self, name)))
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise TypeError(f"{name} must be a path or None, got {getattr(self, name)!r}")
+        try:
+            json.dumps(self.extra)
+        except (TypeError, ValueError) as err:
+            raise TypeError(f"extra must hold JSON values only (it is saved with every checkpoint): {err}") from None
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.accum_steps < 1:
@@ -148,6 +167,9 @@ def loss_divisors(token_counts: list[int], normalize: str = "tokens") -> list[in
     return [n * len(token_counts) for n in token_counts]
 
 
+NORMALIZATIONS = ("tokens", "rank_tokens", "per_microbatch_mean")
+
+
 def accumulate_gradients(
     model: nn.Module,
     micro_batches: list[dict[str, torch.Tensor]],
@@ -155,16 +177,30 @@ def accumulate_gradients(
     scaler: torch.amp.GradScaler | None = None,
     normalize: str = "tokens",
 ) -> tuple[float, int]:
-    """Backward over micro-batches into .grad; return (mean loss per target token, target tokens).
+    """Backward over micro-batches into .grad; return (this rank's mean loss per target token, its target tokens).
 
-    normalize="tokens" divides every micro-batch's summed loss by the window's total target tokens:
-    the exact gradient of the big batch. "per_microbatch_mean" averages per-micro-batch means —
-    the common mistake, kept for lab 03 to show that it differs.
+    normalize="tokens" divides every summed loss by the target tokens of the whole window — of every
+    rank, when `model` is DDP-wrapped: the exact gradient of the one big batch. "rank_tokens" divides
+    by this rank's own window (the same without DDP; under DDP the ranks' means are averaged, which
+    over-weights the tokens of ranks with short documents) and "per_microbatch_mean" averages
+    per-micro-batch means: the two common mistakes, kept for labs 03 and 04 to show that they differ.
     """
+    if normalize not in NORMALIZATIONS:
+        raise ValueError(f"normalize must be one of {NORMALIZATIONS}, got {normalize!r}")
+    device = micro_batches[0]["input_ids"].device
     counts = [int((mb["targets"] != -100).sum()) for mb in micro_batches]
-    total = sum(counts)
-    divisors = loss_divisors(counts, normalize)
-    loss_total = torch.zeros((), device=micro_batches[0]["input_ids"].device)
+    group = _ddp_group(model)
+    if normalize == "tokens" and group is not None and dist.get_world_size(group) > 1:
+        # DDP averages the ranks' gradients (divides their sum by `world`): dividing each rank's summed
+        # loss by all ranks' tokens / world makes that average the gradient of the mean over all tokens.
+        every_rank = torch.tensor(sum(counts), dtype=torch.float64, device=device)
+        dist.all_reduce(every_rank, group=group)
+        if every_rank.item() == 0:
+            raise ValueError("the accumulation window has no target tokens on any rank")
+        divisors = [every_rank.item() / dist.get_world_size(group)] * len(counts)
+    else:
+        divisors = loss_divisors(counts, "per_microbatch_mean" if normalize == "per_microbatch_mean" else "tokens")
+    loss_sums = []  # kept in the loss's dtype: float64 stays float64
     for i, (mb, divisor) in enumerate(zip(micro_batches, divisors)):
         last = i == len(micro_batches) - 1
         # Under DDP, gradients are all-reduced only after the last micro-batch (lab 04).
@@ -173,8 +209,14 @@ def accumulate_gradients(
             s = loss_sum(model, mb, policy)
             loss = s / divisor
             (scaler.scale(loss) if scaler is not None else loss).backward()
-        loss_total += s.detach()
-    return loss_total.item() / total, total
+        loss_sums.append(s.detach())
+    return torch.stack(loss_sums).sum().item() / max(1, sum(counts)), sum(counts)
+
+
+def _ddp_group(model: nn.Module) -> Any:
+    """The process group DDP averages `model`'s gradients over; None when it is not DDP-wrapped."""
+    module = getattr(model, "_orig_mod", model)  # under torch.compile
+    return module.process_group if isinstance(module, DistributedDataParallel) else None
 
 
 def train_step(
@@ -265,7 +307,9 @@ def _data_parallel() -> tuple[int, int]:
 
 
 def fit(model: nn.Module, loader: Iterable, cfg: TrainConfig) -> list[dict[str, Any]]:
-    """Train for cfg.steps optimizer steps, resuming from cfg.checkpoint_dir's latest checkpoint if any.
+    """Train for cfg.steps optimizer steps, resuming from the newest checkpoint in cfg.checkpoint_dir that
+    verifies (warning about any newer one it skips, and removing what killed saves left behind).
+    checkpoint_dir and log_path are checked before the first step.
 
     Under torchrun (an initialized process group of several ranks) the model is wrapped in
     DistributedDataParallel: give each rank its own shard of the data (make_loader's rank and
@@ -277,6 +321,9 @@ def fit(model: nn.Module, loader: Iterable, cfg: TrainConfig) -> list[dict[str, 
     cfg.seed for the run: dropout draws from it) in the caller's state. Resuming also sets NumPy's and
     Python's RNG to the checkpoint's, so that a resumed run draws what the uninterrupted one drew.
     """
+    for name, is_dir in (("checkpoint_dir", True), ("log_path", False)):  # before any work, not at the first save
+        if getattr(cfg, name) is not None and (problem := assets.output_path_problem(getattr(cfg, name), is_dir)):
+            raise ValueError(f"{name}: {problem}")
     device = next(model.parameters()).device
     was_training = model.training
     turn_off = cfg.activation_checkpointing and not activation_checkpointing(model)
@@ -302,6 +349,8 @@ def _fit(model: nn.Module, loader: Iterable, cfg: TrainConfig, device: torch.dev
     optimizer = make_optimizer(model, cfg)
     scaler = policy.scaler()
     start, data = 0, DataStream(loader)
+    if cfg.checkpoint_dir and rank == 0:
+        remove_unfinished(cfg.checkpoint_dir)  # what a kill during a save left behind
     latest = latest_checkpoint(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
     if latest is not None:
         state = load_checkpoint(latest, model, optimizer, scaler)

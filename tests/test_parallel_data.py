@@ -1,5 +1,5 @@
-"""Data parallelism on 2 gloo ranks under torchrun: DDP equals one process, and from-scratch (naive and
-bucketed) equals DDP."""
+"""Data parallelism on 2 gloo ranks under torchrun: DDP equals one process (also with padded documents, the
+trainer dividing by every rank's target tokens), and from-scratch (naive and bucketed) equals DDP."""
 
 from pathlib import Path
 
@@ -21,6 +21,14 @@ def test_ddp_equals_one_process_on_the_whole_batch(dp_parity_results):
         assert r["ddp_vs_single_batch"] < 1e-12  # fp64: gradients of the first step
         assert r["params_after_steps_vs_single"] < 1e-10  # after 5 AdamW steps
     assert res[0]["params_sha256"] == res[1]["params_sha256"]  # ranks bit-identical
+
+
+def test_token_normalization_is_global_across_ranks_with_padded_documents(dp_parity_results):
+    res, _ = dp_parity_results
+    assert [r["padded_rank_targets"] for r in res] == [14, 187]  # hand-counted: short documents on rank 0
+    for r in res:
+        assert r["padded_tokens_vs_single"] < 1e-12  # fp64: every rank divides by all 201 target tokens
+        assert r["padded_rank_tokens_vs_single"] > 0.5 * r["padded_gradient_scale"]  # each by its own: wrong
 
 
 def test_from_scratch_data_parallel_equals_torch_ddp(dp_parity_results):

@@ -1,5 +1,6 @@
 """The trainer: schedules, exact accumulation, precision policy, checkpoints, and resume after kill -9."""
 
+import copy
 import math
 import os
 import signal
@@ -57,6 +58,86 @@ def test_schedules():
 def test_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         TrainConfig(steps=10, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"steps": "10"}, "steps must be an int, got '10'"),
+        ({"accum_steps": 2.0}, "accum_steps must be an int"),
+        ({"keep_checkpoints": True}, "keep_checkpoints must be an int"),
+        ({"lr": "3e-4"}, "lr must be a finite number"),
+        ({"lr": float("nan")}, "lr must be a finite number"),
+        ({"grad_clip": "1"}, "grad_clip must be a finite number"),
+        ({"checkpoint_dir": 3}, "checkpoint_dir must be a path or None"),
+        ({"extra": {"when": object()}}, "extra must hold JSON values only"),
+    ],
+)
+def test_config_types_are_checked(kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        TrainConfig(**{"steps": 10, **kwargs})
+
+
+def test_config_keeps_paths_as_text_for_the_checkpoint(tmp_path):
+    cfg = TrainConfig(steps=1, checkpoint_dir=tmp_path / "ck", log_path=tmp_path / "log.jsonl")
+    assert (cfg.checkpoint_dir, cfg.log_path) == (str(tmp_path / "ck"), str(tmp_path / "log.jsonl"))
+
+
+@pytest.mark.parametrize(
+    "name, make, match",
+    [
+        ("checkpoint_dir", lambda t: (t / "f").write_text("x") and t / "f", "checkpoint_dir: .* is not a directory"),
+        ("checkpoint_dir", lambda t: (t / "f").write_text("x") and t / "f" / "ck", "cannot be created: .* is a file"),
+        ("log_path", lambda t: t, "log_path: .* is not a file"),
+        ("log_path", lambda t: (t / "f").write_text("x") and t / "f" / "log.jsonl", "cannot be created"),
+    ],
+)
+def test_unusable_output_paths_fail_before_the_first_step(data, tmp_path, name, make, match):
+    model = tiny_gpt2(vocab_size=128)
+    before = [p.clone() for p in model.parameters()]
+    cfg = TrainConfig(steps=2, progress=False, **{name: make(tmp_path)})
+    with pytest.raises(ValueError, match=match):
+        fit(model, shards.make_loader(data, 16, 4), cfg)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_resume_skips_a_corrupted_newest_and_a_stray_directory_and_cleans_leftovers(data, tmp_path):
+    def run(steps, ck):
+        cfg = TrainConfig(  # a constant LR: a run of 4 steps then resumed to 6 follows the run of 6
+            steps=steps,
+            schedule="constant",
+            checkpoint_dir=str(ck),
+            checkpoint_every=2,
+            keep_checkpoints=3,
+            progress=False,
+        )
+        return fit(tiny_gpt2(vocab_size=128, seed=0), shards.make_loader(data, 16, 4, seed=1), cfg)
+
+    straight = {r["step"]: r["loss"] for r in run(6, tmp_path / "a")}
+    ck = tmp_path / "b"
+    run(4, ck)  # step_000002, step_000004
+    weights = ck / "step_000004" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)  # same size, different bytes
+    (ck / "step_000009").mkdir()  # a stray directory, no checkpoint in it
+    leftover = ck / ".step_000006.x1y2.tmp"  # what a kill during a save leaves
+    leftover.mkdir()
+    (leftover / "model.safetensors").write_bytes(b"half")
+    with pytest.warns(UserWarning) as caught:
+        resumed = run(6, ck)
+    said = [str(w.message) for w in caught]
+    assert any("step_000009" in m and "no labkit-manifest.json" in m and "step_000002" in m for m in said)
+    assert any("step_000004" in m and "SHA-256" in m for m in said)
+    assert [r["step"] for r in resumed] == [3, 4, 5, 6]  # from step 2, the newest that verifies
+    assert {r["step"]: r["loss"] for r in resumed} == {s: straight[s] for s in (3, 4, 5, 6)}
+    assert not leftover.exists()
+    assert sorted(p.name for p in ck.iterdir()) == ["step_000004", "step_000006", "step_000009"]
+
+
+def test_resume_fails_clearly_when_no_checkpoint_verifies(data, tmp_path):
+    (tmp_path / "step_000003").mkdir()
+    cfg = TrainConfig(steps=4, checkpoint_dir=str(tmp_path), progress=False)
+    with pytest.raises(ValueError, match=r"no checkpoint in .* verifies \(step_000003: .*no labkit-manifest"):
+        fit(tiny_gpt2(vocab_size=128), shards.make_loader(data, 16, 4), cfg)
 
 
 def _variable_length_batch():
@@ -132,6 +213,26 @@ def test_train_step_reports_pre_clip_norm_and_refuses_nan():
 def data(tmp_path):
     stream = (torch.arange(3000) * 7 % 128).numpy()  # a learnable pattern: each token determines the next
     return shards.write_shards(stream, tmp_path / "data", 1000, vocab_size=128, tokenizer="t")
+
+
+def test_fit_in_float64_matches_a_plain_float64_loop(data):
+    """The trainer adds nothing to float64 arithmetic: the loss and the weights of a bare loop, to 1e-12."""
+    cfg = TrainConfig(steps=4, lr=1e-2, schedule="constant", weight_decay=0.0, grad_clip=None, progress=False)
+    model = tiny_llama(vocab_size=128).double()
+    plain = copy.deepcopy(model)
+    history = fit(model, shards.make_loader(data, block_size=16, batch_size=4, seed=1), cfg)
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2, betas=cfg.betas, weight_decay=0.0)
+    losses = []
+    for (x, y), _ in zip(shards.make_loader(data, block_size=16, batch_size=4, seed=1), range(cfg.steps)):
+        logits = plain(input_ids=x).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert logits.dtype == torch.float64
+    assert max(abs(r["loss"] - want) for r, want in zip(history, losses)) < 1e-12
+    assert max((a - b).abs().max().item() for a, b in zip(model.parameters(), plain.parameters())) < 1e-12
 
 
 def test_fit_learns_and_logs_bf16_on_cpu(data, tmp_path):

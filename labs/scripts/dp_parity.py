@@ -1,7 +1,8 @@
 """Under torchrun: torch DDP vs one process on the whole batch vs labkit's from-scratch data parallelism.
 
     torchrun --nproc_per_node=2 labs/scripts/dp_parity.py [--fail-rank R] [--hang-rank R]
-Runs in fp64 so that differences are bugs, not summation order.
+Runs in fp64 so that differences are bugs, not summation order. With padded documents of very different
+lengths it also compares dividing by every rank's target tokens with dividing by each rank's own.
 """
 
 import argparse
@@ -14,10 +15,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from labkit import precision
+from labkit.data import pad_batch
 from labkit.models import tiny_llama
 from labkit.parallel.data import BucketedDataParallel, all_reduce_gradients
 from labkit.parallel.launch import rank_context, save_result
 from labkit.parallel.ring import ring_all_reduce_
+from labkit.train import accumulate_gradients, as_batch
+
+# Documents of very different lengths, rank 0's short and rank 1's long (with 2 ranks): 4 per rank,
+# 2 micro-batches of 2, padded. Dividing by each rank's own token count weights the short ones up.
+DOC_LENGTHS = (3, 5, 4, 6, 40, 57, 33, 61)
 
 
 def loss_of(model, x):
@@ -27,6 +35,30 @@ def loss_of(model, x):
 
 def grads(model):
     return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def padded_documents_errors(base, rank, world, device):
+    """Gradient error against one process on all documents, when the ranks divide by every rank's target
+    tokens ("tokens") and when each divides by its own ("rank_tokens")."""
+    gen = torch.Generator().manual_seed(2)
+    docs = [torch.randint(2, 128, (n,), generator=gen).tolist() for n in DOC_LENGTHS]
+    per_rank = len(docs) // world
+    fp = precision.policy("fp32", device)
+    single = copy.deepcopy(base)
+    accumulate_gradients(single, [as_batch(pad_batch(docs, pad_id=0), device)], fp)
+    mine = docs[rank * per_rank : (rank + 1) * per_rank]
+    micro = [as_batch(pad_batch(mine[i : i + 2], pad_id=0), device) for i in range(0, len(mine), 2)]
+    errors = {}
+    for normalize in ("tokens", "rank_tokens"):
+        ddp = DDP(copy.deepcopy(base))
+        accumulate_gradients(ddp, micro, fp, normalize=normalize)
+        errors[normalize] = (grads(ddp.module) - grads(single)).abs().max().item()
+    return {
+        "padded_tokens_vs_single": errors["tokens"],
+        "padded_rank_tokens_vs_single": errors["rank_tokens"],
+        "padded_gradient_scale": grads(single).abs().max().item(),
+        "padded_rank_targets": sum(max(0, len(d) - 1) for d in mine),
+    }
 
 
 def main() -> None:
@@ -79,6 +111,7 @@ def main() -> None:
             "ddp_vs_single_batch": (grads(ddp.module) - grads(ref)).abs().max().item(),
             "naive_vs_ddp": (grads(naive) - grads(ddp.module)).abs().max().item(),
             "bucketed_vs_ddp": (grads(bucketed_model) - grads(ddp.module)).abs().max().item(),
+            **padded_documents_errors(base, rank, world, device),
         }
 
         # A few AdamW steps with DDP: ranks must stay identical and match one process on the whole batch.
