@@ -139,7 +139,9 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Restore model (and optimizer, scaler, RNG) from a checkpoint after checking it is whole and fits."""
     path = Path(path)
-    problem = assets.check_manifest(path) if path.is_dir() else f"{path} does not exist"
+    if not path.exists():
+        raise ValueError(f"checkpoint {path} does not exist")
+    problem = assets.check_manifest(path) if path.is_dir() else "it is a file, not a checkpoint directory"
     if problem:
         raise ValueError(f"checkpoint {path} is unusable: {problem}")
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}

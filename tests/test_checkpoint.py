@@ -56,6 +56,15 @@ def test_latest_checkpoint_is_none_where_there_is_none(tmp_path):
     assert latest_checkpoint(tmp_path) is None and checkpoints(tmp_path) == []
 
 
+def test_loading_something_that_is_not_a_checkpoint_says_what_it_is(tmp_path):
+    model = tiny_gpt2(vocab_size=128)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_checkpoint(tmp_path / "absent", model)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is unusable: it is a file, not a checkpoint directory"):
+        load_checkpoint(tmp_path / "file", model)
+
+
 def test_steps_past_a_million_order_by_number_in_resume_and_rotation(tmp_path):
     model, optimizer, cfg = _trained()
     cfg.keep_checkpoints = 2

@@ -4,11 +4,13 @@ trainer dividing by every rank's target tokens), and from-scratch (naive and buc
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from labkit import shards
 from labkit.parallel import launch
+from labkit.parallel.data import BucketedDataParallel
 
 
 def test_ddp_equals_one_process_on_the_whole_batch(dp_parity_results):
@@ -74,3 +76,9 @@ def test_ddp_training_equals_one_process_with_the_same_global_batch(tmp_path):
     a, b = load_file(str(tmp_path / "two.st")), load_file(str(tmp_path / "one.st"))
     assert all(a[k].dtype == torch.float64 for k in a)
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-10  # float64: summation order only
+
+
+@pytest.mark.parametrize("bucket_mb", [0, -1.0, "25"])
+def test_bucketed_data_parallel_refuses_a_bucket_size_that_is_not_positive(bucket_mb):
+    with pytest.raises(ValueError, match=f"bucket_mb must be a positive number of MiB, got {bucket_mb!r}"):
+        BucketedDataParallel(torch.nn.Linear(2, 2), bucket_mb=bucket_mb)

@@ -91,8 +91,14 @@ def test_no_rank_outlives_the_end_of_its_launch(tmp_path, end):
 def test_launcher_checks_its_arguments(tmp_path):
     with pytest.raises(FileNotFoundError):
         launch.launch(tmp_path / "missing.py")
-    with pytest.raises(ValueError, match="nproc"):
+    with pytest.raises(ValueError, match="nproc must be an int >= 1, got 0"):
         launch.launch(SCRIPT, nproc=0)
+    with pytest.raises(ValueError, match="nproc must be an int >= 1, got '2'"):
+        launch.launch(SCRIPT, nproc="2")
+    with pytest.raises(ValueError, match="timeout must be a positive number of seconds, got -1"):
+        launch.launch(SCRIPT, nproc=1, timeout=-1)
+    with pytest.raises(TypeError, match="args must be a list of strings"):
+        launch.launch(SCRIPT, nproc=1, args=["--steps", 3])
 
 
 @pytest.mark.parametrize(

@@ -59,6 +59,14 @@ def test_slurm_script_runs_torchrun_with_rendezvous_on_every_node(tmp_path):
 def test_slurm_script_validates(kwargs, match):
     with pytest.raises(ValueError, match=match):
         slurm.slurm_script(SCRIPT, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "name, value", [("nodes", "2"), ("gpus_per_node", 2.0), ("port", "29500"), ("cpus_per_node", True)]
+)
+def test_slurm_script_wants_whole_numbers(name, value):
+    with pytest.raises(TypeError, match=f"{name} must be an int, got {value!r}"):
+        slurm.slurm_script(SCRIPT, **{name: value})
     with pytest.raises(FileNotFoundError, match="no such script: trian.py"):
         slurm.slurm_script("trian.py")
 

@@ -33,6 +33,8 @@ class BucketedDataParallel:
     """
 
     def __init__(self, model: nn.Module, bucket_mb: float = 25.0):
+        if not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be a positive number of MiB, got {bucket_mb!r}")
         if not dist.is_initialized():
             raise RuntimeError("init the process group first (labkit.parallel.launch.rank_context)")
         self.model, self.world = model, dist.get_world_size()

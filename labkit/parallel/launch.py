@@ -54,7 +54,7 @@ def placement(ranks_per_node: int, gpus: int, prefer: str | None = None) -> Plac
     if ranks_per_node < 1 or gpus < 0:
         raise ValueError(f"need ranks_per_node >= 1 and gpus >= 0, got {ranks_per_node}, {gpus}")
     if prefer not in (None, "", "cpu", "cuda"):
-        raise ValueError(f"${DEVICE_ENV} must be 'cpu' or 'cuda', got {prefer!r}")
+        raise ValueError(f"prefer (or ${DEVICE_ENV}) must be 'cpu' or 'cuda', got {prefer!r}")
     ranks = f"{ranks_per_node} rank{'s' * (ranks_per_node != 1)}"
     if prefer == "cpu":
         return Placement("cpu", "gloo", f"{ranks} on the CPU with gloo (${DEVICE_ENV}=cpu)")
@@ -167,8 +167,12 @@ def launch(
     failing rank's traceback; past `timeout` seconds, or on an interrupt, the job is killed, so a hung
     rank never hangs the caller and no rank outlives the call.
     """
-    if nproc < 1:
-        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
+        raise ValueError(f"nproc must be an int >= 1, got {nproc!r}")
+    if not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if args is not None and not all(isinstance(a, str) for a in args):
+        raise TypeError(f"args must be a list of strings (command-line arguments), got {args!r}")
     script = Path(script)
     if not script.is_file():
         raise FileNotFoundError(f"no such script: {script}")

@@ -28,6 +28,12 @@ def slurm_script(
     if not Path(script).is_file():
         raise FileNotFoundError(f"no such script: {script}")
     script = Path(script).resolve()
+    counts = {"nodes": nodes, "gpus_per_node": gpus_per_node, "port": port}
+    if cpus_per_node is not None:
+        counts["cpus_per_node"] = cpus_per_node
+    for name, value in counts.items():
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int, got {value!r}")
     if nodes < 1 or gpus_per_node < 1:
         raise ValueError(f"need nodes >= 1 and gpus_per_node >= 1, got {nodes}, {gpus_per_node}")
     if not re.fullmatch(r"(\d+-)?\d{1,2}:\d{2}:\d{2}", time_limit):
