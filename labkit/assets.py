@@ -226,6 +226,8 @@ def atomic_directory(dest: str | Path) -> Iterator[Path]:
     """Yield a temporary directory beside `dest`; on success it replaces `dest` (modes as the umask says, see
     apply_umask), on error it vanishes."""
     dest = Path(dest)
+    if dest.exists() and not dest.is_dir():
+        raise FileExistsError(f"{dest} is a file: a directory is to be written there, and the file is left as it is")
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp"))
     try:

@@ -55,6 +55,13 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = resolve_model(name)
+    if device is not None:
+        try:
+            torch.device(device)
+        except (RuntimeError, TypeError) as err:
+            raise ValueError(
+                f"device must be a torch device such as 'cpu', 'cuda' or 'cuda:1', got {device!r}"
+            ) from err
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code)
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
@@ -88,8 +95,22 @@ def load_tokenizer(name: str = DEFAULT_MODEL, *, trust_remote_code: bool = False
 
 def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
     """Number of distinct parameters (tied weights counted once)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     seen = {p.data_ptr(): p for p in model.parameters() if p.requires_grad or not trainable_only}
     return sum(p.numel() for p in seen.values())
+
+
+def _check_shape(vocab_size: int, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int) -> None:
+    """Refuse sizes a model cannot have, naming the rule, before transformers builds (or half-builds) it."""
+    sizes = {"vocab_size": vocab_size, "hidden_size": hidden_size, "num_layers": num_layers, "num_heads": num_heads}
+    for name, value in {**sizes, "num_kv_heads": num_kv_heads}.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if hidden_size % num_heads:
+        raise ValueError(f"hidden_size ({hidden_size}) must be a multiple of num_heads ({num_heads})")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
 
 
 def tiny_llama(
@@ -105,6 +126,8 @@ def tiny_llama(
 ) -> nn.Module:
     """A randomly initialized Llama (SmolLM2's architecture, with grouped-query attention) for fast runs."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    _check_shape(vocab_size, hidden_size, num_layers, num_heads, num_kv_heads)
 
     config = LlamaConfig(
         vocab_size=vocab_size,
@@ -147,6 +170,8 @@ def tiny_gpt2(
 ) -> nn.Module:
     """A randomly initialized GPT-2 (learned positions, LayerNorm, GELU) for fast runs."""
     from transformers import GPT2Config, GPT2LMHeadModel
+
+    _check_shape(vocab_size, hidden_size, num_layers, num_heads, num_heads)
 
     config = GPT2Config(
         vocab_size=vocab_size,

@@ -300,3 +300,12 @@ def test_a_read_only_cache_prepared_by_root_loads_for_another_user(monkeypatch):
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split("\n")[-2] == "LlamaForCausalLM 64 <|endoftext|>"
     assert after == before  # nothing created (no lock file), nothing modified
+
+
+def test_atomic_directory_leaves_a_file_in_its_place_alone(tmp_path):
+    dest = tmp_path / "notes.txt"
+    dest.write_text("keep me")
+    with pytest.raises(FileExistsError, match="is a file"):
+        with assets.atomic_directory(dest) as tmp:
+            (tmp / "x").write_text("new")
+    assert dest.read_text() == "keep me" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]

@@ -118,3 +118,33 @@ def test_saved_models_get_the_modes_the_umask_gives(tmp_path, mask, file_mode, d
     found = modes(dest)
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= found.keys()  # safetensors writes 0600
     assert found == dict.fromkeys(found, file_mode) | {".": dir_mode}
+
+
+@pytest.mark.parametrize(
+    "build, kwargs, match",
+    [
+        (
+            "tiny_llama",
+            {"num_heads": 4, "num_kv_heads": 3},
+            r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)",
+        ),
+        ("tiny_llama", {"hidden_size": 30}, r"hidden_size \(30\) must be a multiple of num_heads \(4\)"),
+        ("tiny_llama", {"num_layers": 0}, "num_layers must be an int >= 1, got 0"),
+        ("tiny_gpt2", {"vocab_size": 0}, "vocab_size must be an int >= 1, got 0"),
+        ("tiny_gpt2", {"hidden_size": 64.0}, "hidden_size must be an int >= 1, got 64.0"),
+    ],
+)
+def test_tiny_models_refuse_impossible_shapes(build, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        getattr(models, build)(**kwargs)
+
+
+def test_count_parameters_wants_a_module():
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got str"):
+        models.count_parameters("model")
+
+
+def test_load_model_names_a_bad_device_before_loading(monkeypatch):
+    monkeypatch.setattr(models, "resolve_model", lambda name: "/nonexistent-so-loading-would-fail")
+    with pytest.raises(ValueError, match=r"device must be a torch device .* got 'gpu0'"):
+        models.load_model("anything", device="gpu0")
