@@ -84,7 +84,9 @@ def save_checkpoint(
         }
         assets.atomic_write_text(tmp / "trainer.json", json.dumps(state, indent=1))
         assets.write_manifest(tmp, source="labkit.train")
-    for _, old in checkpoints(directory)[: -cfg.keep_checkpoints]:
+    # Rotation counts back from this step: a newer directory can only be one that resume skipped (corrupt,
+    # stray), and counting it would delete the checkpoint just written.
+    for _, old in [c for c in checkpoints(directory) if c[0] <= step][: -cfg.keep_checkpoints]:
         shutil.rmtree(old)
     return dest
 

@@ -77,6 +77,18 @@ def test_steps_past_a_million_order_by_number_in_resume_and_rotation(tmp_path):
     assert load_checkpoint(latest_checkpoint(tmp_path), model)["step"] == 1_000_001
 
 
+def test_rotation_never_deletes_the_checkpoint_just_written(tmp_path):
+    model, optimizer, cfg = _trained()
+    cfg.keep_checkpoints = 1
+    (tmp_path / "step_000009").mkdir(parents=True)  # newer, not a checkpoint: resume skipped it
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    for step in (3, 4):
+        save_checkpoint(tmp_path, model, optimizer, scaler, step, {}, cfg)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000004", "step_000009"]
+    with pytest.warns(UserWarning, match="skipping checkpoint step_000009"):
+        assert latest_checkpoint(tmp_path).name == "step_000004"
+
+
 def test_a_save_removes_what_an_interrupted_save_left(tmp_path):
     model, optimizer, cfg = _trained()
     leftover = tmp_path / ".step_000001.k9.tmp"
