@@ -130,7 +130,8 @@ def test_resume_skips_a_corrupted_newest_and_a_stray_directory_and_cleans_leftov
     assert [r["step"] for r in resumed] == [3, 4, 5, 6]  # from step 2, the newest that verifies
     assert {r["step"]: r["loss"] for r in resumed} == {s: straight[s] for s in (3, 4, 5, 6)}
     assert not leftover.exists()
-    assert sorted(p.name for p in ck.iterdir()) == ["step_000004", "step_000006", "step_000009"]
+    # keep_checkpoints=3 counts back from each save: 2, 4, 6 stay; the stray 9 is never counted or deleted
+    assert sorted(p.name for p in ck.iterdir()) == ["step_000002", "step_000004", "step_000006", "step_000009"]
 
 
 def test_resume_fails_clearly_when_no_checkpoint_verifies(data, tmp_path):
