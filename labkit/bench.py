@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from labkit import precision
+from labkit.torchutil import device_of
 
 # ----------------------------------------------------------------------------- timing
 
@@ -35,7 +36,7 @@ def as_device(device: str | torch.device | None) -> torch.device:
     a clear error here, not a driver message later."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    dev = device_of(device)
     if problem := precision.cuda_problem(dev):
         raise ValueError(problem)
     return dev
@@ -96,6 +97,8 @@ def time_fn(
     `before`, if given, runs untimed before every timed call (e.g. a barrier that lines up ranks);
     `sync` replaces `synchronize(device)` (a stream, or a simulated device in the lab 00 exercise).
     """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable (the work to time), got {type(fn).__name__}")
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     for _ in range(warmup):

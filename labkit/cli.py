@@ -117,6 +117,10 @@ def _slurm(args: argparse.Namespace) -> int:
         account=args.account,
     )
     if args.output:
+        if Path(args.output).is_dir():
+            raise ValueError(
+                f"-o {args.output} is a directory: give a file name, e.g. {Path(args.output) / 'job.sbatch'}"
+            )
         assets.atomic_write_text(args.output, text)
         print(f"wrote {args.output}; submit it with: sbatch {args.output}")
     else:
@@ -215,10 +219,25 @@ def main(argv: list[str] | None = None) -> int:
     args.unknown = extra if args.command == "slurm" else []
     args.passthrough = after if args.command == "slurm" else extra + after
     try:
-        return args.func(args)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"labkit {args.command}: {err}", file=sys.stderr)
+        code = args.func(args)
+        sys.stdout.flush()  # here, where a closed pipe can still be handled
+        return code
+    except BrokenPipeError:  # `labkit profile gpu | head -1`: the reader had enough, which is no error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's own flush at exit must not fail
+        return 0
+    except KeyboardInterrupt:
+        print(f"labkit {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, TypeError, OSError, RuntimeError) as err:  # bad input, files, assets: one line, no traceback
+        print(f"labkit {args.command}: {_one_line(err)}", file=sys.stderr)
         return 2
+
+
+def _one_line(err: BaseException) -> str:
+    """An error as one line: OSError's own text when it has one ([Errno 21] ... becomes the reason and the path)."""
+    if isinstance(err, OSError) and err.strerror:
+        return f"{err.strerror}: {err.filename}" if err.filename else err.strerror
+    return " ".join(str(err).split()) or type(err).__name__
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,7 +104,15 @@ def load_documents(name: str = "wiki", split: str = "train") -> list[Document]:
         docs = _local_documents(path)
         if not docs:
             raise ValueError(f"{path} holds no documents (it is empty or only whitespace)")
-    return [d for d in docs if split == "all" or split_of(d.title) == split]
+    chosen = [d for d in docs if split == "all" or split_of(d.title) == split]
+    if not chosen:
+        warnings.warn(
+            f"the {split!r} split of {name} is empty: its {len(docs)} document(s) all hash into other splits "
+            f"({', '.join(f'{k} {v:.0%}' for k, v in SPLIT_FRACTIONS.items())} by title); "
+            "use split='all' for a corpus this small",
+            stacklevel=2,
+        )
+    return chosen
 
 
 def load_corpus(name: str = "wiki", split: str = "train") -> list[str]:
@@ -125,6 +134,8 @@ def concat_with_separator(docs: Sequence[Sequence[int]], eos_id: int) -> np.ndar
     """One token stream: each document followed by the end-of-text id (how pretraining data is laid out)."""
     if not docs:
         raise ValueError("no documents to concatenate")
+    if not isinstance(eos_id, (int, np.integer)) or isinstance(eos_id, bool) or eos_id < 0:
+        raise TypeError(f"eos_id must be a token id (an int >= 0), got {eos_id!r}")
     total = sum(len(d) + 1 for d in docs)
     out, pos = np.empty(total, dtype=np.int64), 0
     for d in docs:
@@ -152,6 +163,8 @@ def pad_batch(docs: Sequence[Sequence[int]], pad_id: int, max_length: int | None
     """
     if not docs or any(len(d) == 0 for d in docs):
         raise ValueError("pad_batch needs at least one document, and no empty ones")
+    if max_length is not None and (not isinstance(max_length, int) or max_length < 1):
+        raise ValueError(f"max_length must be None or an int >= 1, got {max_length!r}")
     length = max(len(d) for d in docs) if max_length is None else max_length
     ids = torch.full((len(docs), length), pad_id, dtype=torch.long)
     mask = torch.zeros((len(docs), length), dtype=torch.long)

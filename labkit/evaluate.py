@@ -12,7 +12,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from labkit.data import concat_with_separator, encode_texts
-from labkit.torchutil import eval_mode, seeded
+from labkit.torchutil import check_token_ids, eval_mode, seeded, vocab_size
 
 
 @dataclass
@@ -43,6 +43,13 @@ def windows(n_tokens: int, max_length: int, stride: int) -> list[tuple[int, int,
     With stride == max_length the windows do not overlap and each window's first token,
     having no context, is not scored.
     """
+    for name, value in (("n_tokens", n_tokens), ("max_length", max_length), ("stride", stride)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+    if n_tokens < 0 or max_length < 2:
+        raise ValueError(
+            f"need n_tokens >= 0 and max_length >= 2 (a context and a target), got {n_tokens}, {max_length}"
+        )
     if not 0 < stride <= max_length:
         raise ValueError(f"need 0 < stride <= max_length, got stride={stride}, max_length={max_length}")
     cuts, prev_end = [], 0
@@ -79,6 +86,7 @@ def perplexity(
     stride = stride or max_length
     device = next(model.parameters()).device
     stream = torch.tensor(token_stream(tokenizer, texts), dtype=torch.long)
+    check_token_ids(stream, vocab_size(model), "the tokenizer's ids")  # a tokenizer of another model
     cuts = windows(len(stream), max_length, stride)
     nll_sum, scored_total = 0.0, 0
     with eval_mode(model):  # dropout off: a model handed over mid-training is scored as it would serve

@@ -20,6 +20,8 @@ from labkit.bench import as_device, fmt_seconds, time_fn
 
 def matmul_flops(m: int, n: int, k: int) -> int:
     """FLOPs of an (m×k) @ (k×n) matrix product: one multiply and one add per term."""
+    if min(m, n, k) < 0:
+        raise ValueError(f"matrix sizes must be >= 0, got m={m}, n={n}, k={k}")
     return 2 * m * n * k
 
 
@@ -33,6 +35,10 @@ def transformer_flops_per_token(
     matmul_parameters. The second term is attention's score and value products over d = heads ×
     head size (the model width for GPT-2 and Llama), which parameter counts miss.
     """
+    if min(n_params, n_layers, d_attn) < 0 or seq_len < 1:
+        raise ValueError(
+            f"need n_params, n_layers, d_attn >= 0 and seq_len >= 1, got {n_params}, {n_layers}, {d_attn}, {seq_len}"
+        )
     train = 6 * n_params + 12 * n_layers * d_attn * seq_len
     return train if training else train / 3
 
@@ -67,6 +73,8 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
 
 def device_peak_flops(dtype: str, device: str | torch.device | None = None) -> float | None:
     """Vendor dense peak FLOP/s for this GPU and dtype name, or None when unknown (any CPU)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
     dev = as_device(device)
     if dev.type != "cuda":
         return None
@@ -79,6 +87,8 @@ def device_peak_flops(dtype: str, device: str | torch.device | None = None) -> f
 
 def mfu(achieved_flops_per_s: float, peak_flops_per_s: float | None) -> float | None:
     """Model FLOPs utilization: achieved / peak, or None when the peak is unknown."""
+    if achieved_flops_per_s < 0 or (peak_flops_per_s is not None and peak_flops_per_s < 0):
+        raise ValueError(f"FLOP rates must be >= 0, got {achieved_flops_per_s} and {peak_flops_per_s}")
     return None if not peak_flops_per_s else achieved_flops_per_s / peak_flops_per_s
 
 

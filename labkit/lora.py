@@ -35,6 +35,16 @@ def is_linear(module: nn.Module) -> bool:
     )
 
 
+def _check_lora_args(r: int, alpha: float, dropout: float) -> None:
+    """Refuse a rank, scale or dropout an adapter cannot have, naming the allowed values."""
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise ValueError(f"rank r must be a positive int, got {r!r}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha) or alpha <= 0:
+        raise ValueError(f"alpha must be a positive number, got {alpha!r}")
+    if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not 0 <= dropout < 1:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+
+
 class LoRALinear(nn.Module):
     """A frozen linear plus a trainable low-rank update scaled by alpha / r (PEFT's layout and init)."""
 
@@ -42,10 +52,7 @@ class LoRALinear(nn.Module):
         super().__init__()
         if not is_linear(base) or isinstance(base, LoRALinear):
             raise TypeError(f"LoRALinear wraps an nn.Linear or a quant.PackedLinear, not {type(base).__name__}")
-        if not isinstance(r, int) or r < 1:
-            raise ValueError(f"rank r must be a positive int, got {r!r}")
-        if not 0 <= dropout < 1:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+        _check_lora_args(r, alpha, dropout)
         self.base = base
         self.base.requires_grad_(False)
         self.r, self.alpha, self.scaling = r, alpha, alpha / r
@@ -115,7 +122,16 @@ def add_lora(
     alpha: float = 16,
     dropout: float = 0.0,
 ) -> dict[str, LoRALinear]:
-    """Freeze the model and wrap the target linears in LoRALinear, in place; returns the adapters by name."""
+    """Freeze the model and wrap the target linears in LoRALinear, in place; returns the adapters by name.
+
+    Everything is checked before the model is touched: a bad argument leaves it as it was."""
+    _check_lora_args(r, alpha, dropout)
+    present = [name for name, module in model.named_modules() if isinstance(module, LoRALinear)]
+    if present:
+        raise ValueError(
+            f"the model already has {len(present)} LoRA adapter(s) (e.g. {present[0]}): "
+            "merge_lora(model) first, or start from a fresh model"
+        )
     chosen = resolve_targets(model, targets)
     model.requires_grad_(False)
     adapters = {}

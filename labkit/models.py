@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from labkit import assets
-from labkit.torchutil import seeded
+from labkit.torchutil import device_of, seeded
 
 # transformers is imported inside the functions that build a model or tokenizer: its model classes take
 # several seconds to import, which commands and ranks that never build one should not pay.
@@ -56,12 +56,7 @@ def load_model(
 
     source = resolve_model(name)
     if device is not None:
-        try:
-            torch.device(device)
-        except (RuntimeError, TypeError) as err:
-            raise ValueError(
-                f"device must be a torch device such as 'cpu', 'cuda' or 'cuda:1', got {device!r}"
-            ) from err
+        device_of(device)  # a bad device is refused before the weights are read
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code)
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)

@@ -8,11 +8,15 @@ from dataclasses import dataclass
 
 import torch
 
+from labkit.torchutil import device_of
+
 MODES = ("fp32", "tf32", "bf16", "fp16")
 
 
 def format_facts(dtype: torch.dtype) -> dict[str, float | int | str]:
     """Bits, range and precision of a floating-point format (lab 02's table)."""
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        raise ValueError(f"dtype must be one of torch.float32, float16, bfloat16, float64; got {dtype!r}")
     info = torch.finfo(dtype)
     mantissa = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7, torch.float64: 52}[dtype]
     return {
@@ -89,6 +93,10 @@ def native_bf16(device: str | torch.device) -> bool:
 def kept_fraction(values: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> float:
     """Share of the non-zero `values` that stay non-zero once multiplied by `scale` and cast to `dtype`:
     what a format (and a loss scale) keeps of real gradients instead of flushing them to zero."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a torch floating-point dtype such as torch.float16, got {dtype!r}")
+    if not isinstance(scale, (int, float)) or not scale > 0:
+        raise ValueError(f"scale must be a positive number (a loss scale), got {scale!r}")
     total = int(torch.count_nonzero(values))  # counting, not selecting: no copies of a 100M-entry gradient
     if total == 0:
         raise ValueError("no non-zero values to count")
@@ -108,6 +116,10 @@ def update_loss_scale(
     An overflow (inf/NaN gradients: the step is skipped) multiplies the scale by `backoff_factor` and
     restarts the count; `growth_interval` good steps in a row multiply it by `growth_factor`.
     """
+    if not (growth_factor > 1 and 0 < backoff_factor < 1):
+        raise ValueError(f"need growth_factor > 1 and 0 < backoff_factor < 1, got {growth_factor}, {backoff_factor}")
+    if not isinstance(growth_interval, int) or growth_interval < 1:
+        raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
     if found_inf:
         return scale * backoff_factor, 0
     if good_steps + 1 == growth_interval:
@@ -119,7 +131,7 @@ def policy(mode: str, device: str | torch.device) -> Policy:
     """The precision policy for `mode` on `device`, or a clear error suggesting what works there."""
     if mode not in MODES:
         raise ValueError(f"unknown precision {mode!r}; choose one of {MODES}")
-    dev = torch.device(device)
+    dev = device_of(device)
     cuda = dev.type == "cuda"
     if problem := cuda_problem(dev):
         raise ValueError(f"{problem}; use device 'cpu'")

@@ -33,6 +33,10 @@ class Example:
 
 def title_examples(split: str = "train", limit: int | None = None, max_chars: int = 1200) -> list[Example]:
     """Summary → title examples from the wiki corpus; the split is the corpus's (titles never cross splits)."""
+    if limit is not None and (not isinstance(limit, int) or limit < 0):
+        raise ValueError(f"limit must be None or an int >= 0, got {limit!r}")
+    if not isinstance(max_chars, int) or max_chars < 1:
+        raise ValueError(f"max_chars must be an int >= 1, got {max_chars!r}")
     docs = load_documents("wiki", split)[:limit]
     return [Example(f"{TITLE_QUESTION}\n\n{d.text[:max_chars]}", d.title) for d in docs]
 

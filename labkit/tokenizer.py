@@ -174,11 +174,11 @@ class BPETokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of token ids; exact inverse of encode. Invalid UTF-8 from arbitrary ids becomes U+FFFD."""
-        try:
-            data = b"".join(self.vocab[i] for i in ids)
-        except (IndexError, TypeError):
-            raise ValueError(f"token ids must be ints in [0, {self.vocab_size})") from None
-        return data.decode("utf-8", errors="replace")
+        ids = list(ids)
+        for i in ids:
+            if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.vocab_size:
+                raise ValueError(f"token id {i!r} is not in the vocabulary: ids are ints in [0, {self.vocab_size})")
+        return b"".join(self.vocab[i] for i in ids).decode("utf-8", errors="replace")
 
     def tokens(self, text: str) -> list[str]:
         """The pieces text is split into, as readable strings (to see how a rare word splits)."""
@@ -222,7 +222,11 @@ def train_bpe(
     texts: Iterable[str], vocab_size: int, special_tokens: Iterable[str] = DEFAULT_SPECIALS, progress: bool = True
 ) -> BPETokenizer:
     """Learn merges until the vocabulary (specials + 256 bytes + merges) reaches vocab_size."""
-    special_tokens = list(special_tokens)
+    if isinstance(texts, (str, bytes)):
+        raise TypeError("texts must be an iterable of strings (documents), not one string: pass [text]")
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool):
+        raise TypeError(f"vocab_size must be an int, got {vocab_size!r}")
+    special_tokens = [special_tokens] if isinstance(special_tokens, str) else list(special_tokens)
     if vocab_size < 256 + len(special_tokens):
         raise ValueError(
             f"vocab_size {vocab_size} is too small: byte-level BPE needs 256 byte tokens plus "

@@ -19,6 +19,31 @@ from torch import nn
 _DECODER_PATHS = ("model.layers", "model.decoder.layers", "gpt_neox.layers", "transformer.h")
 
 
+def device_of(device: str | torch.device) -> torch.device:
+    """torch.device(device), with a clear ValueError instead of torch's "Invalid device string"."""
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device must be a torch device such as 'cpu', 'cuda' or 'cuda:1', got {device!r}") from err
+
+
+def check_token_ids(ids: torch.Tensor, vocab_size: int | None, what: str = "input ids") -> None:
+    """Refuse token ids outside [0, vocab_size), naming one, before an embedding lookup fails on it."""
+    if ids.numel() == 0 or vocab_size is None:
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(f"{what} hold token id {bad}, outside the model's vocabulary [0, {vocab_size})")
+
+
+def vocab_size(model: nn.Module) -> int | None:
+    """Rows of the model's input embedding (the ids it can read are 0 … vocab_size - 1); None for a model
+    without transformers' get_input_embeddings, whose ids then go unchecked."""
+    embedding = getattr(model, "get_input_embeddings", lambda: None)()
+    return getattr(embedding, "num_embeddings", None)
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The repeated transformer blocks of a causal LM (Llama/SmolLM2, OPT, GPT-NeoX, GPT-2, Qwen, Mistral ...)."""
     for path in _DECODER_PATHS:

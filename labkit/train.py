@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from labkit import assets, bench, precision
 from labkit.checkpoint import latest_checkpoint, load_checkpoint, remove_unfinished, save_checkpoint
-from labkit.torchutil import activation_checkpointing, seeded
+from labkit.torchutil import activation_checkpointing, check_token_ids, seeded, vocab_size
 
 SCHEDULES = ("cosine", "linear", "constant")
 
@@ -94,6 +94,8 @@ class TrainConfig:
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Learning rate for 0-based `step`: linear warm-up to lr, then cosine/linear decay to min_lr, or constant."""
+    if not 0 <= step < cfg.steps:
+        raise ValueError(f"step must be in [0, {cfg.steps}) (0-based, cfg.steps steps), got {step}")
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     if cfg.schedule == "constant":
@@ -362,6 +364,10 @@ def _fit(model: nn.Module, loader: Iterable, cfg: TrainConfig, device: torch.dev
         for group in optimizer.param_groups:
             group["lr"] = lr
         micro = [as_batch(next(data), device) for _ in range(cfg.accum_steps)]
+        if step == start:  # once: a wrong tokenizer or vocab_size shows in the first batch, named here
+            for mb in micro:
+                check_token_ids(mb["input_ids"], vocab_size(model))
+                check_token_ids(mb["targets"][mb["targets"] != -100], vocab_size(model), "targets")
         with bench.track_peak_memory(device) as memory, bench.stopwatch(device) as elapsed:
             metrics = train_step(step_model, optimizer, micro, policy, scaler, cfg.grad_clip)
         record = {

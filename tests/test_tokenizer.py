@@ -104,8 +104,10 @@ def test_bad_input_is_rejected_clearly(bpe):
         T.train_bpe([], 300)
     with pytest.raises(ValueError, match="empty corpus"):
         T.train_bpe(["", ""], 300)
-    with pytest.raises(ValueError, match="token ids"):
+    with pytest.raises(ValueError, match=r"token id 1000000000 is not in the vocabulary.*\[0, "):
         bpe.decode([10**9])
+    with pytest.raises(ValueError, match="token id -1 is not in the vocabulary"):
+        bpe.decode([5, -1])  # not the last token, as Python's negative indexing would give
     with pytest.raises(ValueError, match="distinct"):
         T.BPETokenizer([], ["<s>", "<s>"])
 

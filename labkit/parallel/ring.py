@@ -14,6 +14,8 @@ def ring_send_chunk(rank: int, world: int, step: int) -> int:
     Reduce-scatter (steps < p − 1) passes partial sums along, so after it rank r holds the whole sum of
     chunk r + 1; all-gather then passes the finished sums along. Each rank receives chunk (sent − 1).
     """
+    if not 0 <= rank < world:
+        raise ValueError(f"need 0 <= rank < world, got rank={rank}, world={world}")
     if not 0 <= step < 2 * (world - 1):
         raise ValueError(f"a ring all-reduce over {world} ranks has steps 0..{2 * (world - 1) - 1}, got {step}")
     if step < world - 1:

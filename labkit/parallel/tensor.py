@@ -14,6 +14,8 @@ def megatron_mlp_shard(fc1: nn.Linear, fc2: nn.Linear, rank: int, world: int) ->
     input features (rows of Wᵀ). Each rank computes its partial output with no communication; one
     all-reduce sums them. fc2's bias is kept on rank 0 only, so that it is added once."""
     hidden = fc1.out_features
+    if not 0 <= rank < world:
+        raise ValueError(f"need 0 <= rank < world, got rank={rank}, world={world}")
     if hidden % world:
         raise ValueError(f"hidden size {hidden} does not split evenly over {world} ranks")
     part = slice(rank * hidden // world, (rank + 1) * hidden // world)

@@ -20,7 +20,7 @@ from labkit.data import pack_blocks
 from labkit.evaluate import token_stream
 from labkit.quant.formats import QuantConfig, QuantizedWeight, bits_per_weight, quantize_rtn
 from labkit.quant.gptq import gptq_quantize, hessian_error
-from labkit.torchutil import decoder_layers, eval_mode
+from labkit.torchutil import check_token_ids, decoder_layers, eval_mode, vocab_size
 
 METHODS = ("rtn", "gptq")
 # Calibration tokens per input of the widest layer below which GPTQ fits noise. Measured on SmolLM2's
@@ -229,6 +229,7 @@ def quantize_model(
                 "GPTQ needs calibration token ids as a [n_blocks, block_size] long tensor "
                 "(labkit.quant.calibration_blocks makes one)"
             )
+        check_token_ids(calibration, vocab_size(model), "calibration ids")
         tokens = calibration.numel()
         widest = max(m.in_features for m in linears)
         if tokens < widest:
