@@ -43,6 +43,8 @@ def test_windows_score_each_token_at_most_once(n, max_length, data):
     assert len(scored) == len(set(scored)) and 0 not in scored
     if stride < max_length:  # overlapping windows: every token after the first, once
         assert scored == list(range(1, n))
+    else:  # side by side: every token but each window's first, which has no context
+        assert scored == [t for t in range(n) if t % max_length]
 
 
 def test_windows_reject_bad_stride():

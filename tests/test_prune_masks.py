@@ -85,6 +85,20 @@ def test_nm_keeps_the_largest_of_each_group():
     assert mask.tolist() == [[False, True, True, False, False, True, True, False]]
 
 
+@settings(max_examples=80, deadline=None)
+@given(m=st.integers(1, 8), rows=st.integers(1, 6), groups=st.integers(1, 5), data=st.data())
+def test_nm_masks_keep_exactly_n_of_every_m_and_the_largest(m, rows, groups, data):
+    n = data.draw(st.integers(1, m))
+    order = torch.randperm(rows * groups * m, generator=torch.Generator().manual_seed(data.draw(st.integers(0, 999))))
+    w = (order.double() + 1).reshape(rows, groups * m) * torch.where(order.reshape(rows, -1) % 2 == 0, 1.0, -1.0)
+    keep = masks.nm_masks({"w": w}, n, m)["w"].reshape(rows, groups, m)
+    assert (keep.sum(-1) == n).all()  # exactly n of every m
+    size = w.abs().reshape(rows, groups, m)  # distinct magnitudes: no ties to break
+    smallest_kept = size.masked_fill(~keep, float("inf")).amin(-1)
+    largest_dropped = size.masked_fill(keep, 0.0).amax(-1)
+    assert (smallest_kept > largest_dropped).all()
+
+
 def test_masks_survive_save_and_load(tmp_path):
     model = _model()
     keep = masks.magnitude_prune(model, 0.5, scope="global").masks

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from labkit.models import tiny_llama
@@ -35,6 +38,16 @@ def test_pack_rows_matches_a_bitstream_and_round_trips(bits):
     for c in range(3):
         assert packed[:, c].tolist() == bitstream_reference(values[:, c].tolist(), bits)
     assert torch.equal(unpack_rows(packed, bits, 64), values.to(torch.int32))
+
+
+@settings(max_examples=60, deadline=None)
+@given(bits=st.sampled_from(BITS), words=st.integers(1, 4), cols=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_any_codes_round_trip_through_packing(bits, words, cols, seed):
+    rows = words * 32 // math.gcd(bits, 32)  # the fewest rows that fill whole words, times `words`
+    values = torch.randint(0, 2**bits, (rows, cols), generator=torch.Generator().manual_seed(seed))
+    packed = pack_rows(values, bits)
+    assert packed[:, 0].tolist() == bitstream_reference(values[:, 0].tolist(), bits)
+    assert torch.equal(unpack_rows(packed, bits, rows), values.to(torch.int32))
 
 
 def test_four_bit_packing_is_the_classic_eight_nibbles_per_word():

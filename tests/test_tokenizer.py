@@ -33,6 +33,7 @@ unicode_text = st.lists(
         st.text(st.characters(blacklist_categories=("Cs",)), max_size=20),  # any code point but surrogates
         st.sampled_from(
             ["é", "e\u0301", "🦙", "👩\u200d👩\u200d👧", "中文", "  ", "\n\n", "\t", "'s", "<|endoftext|>"]
+            + ["\x00", "\x1b[0m", "\r\n", "\u200b", "\ufeff", "ǅ", "\U0010fffd"]  # controls, invisibles, planes
         ),
     ),
     max_size=12,
