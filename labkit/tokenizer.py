@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import json
+import operator
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from functools import lru_cache
@@ -174,11 +175,13 @@ class BPETokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of token ids; exact inverse of encode. Invalid UTF-8 from arbitrary ids becomes U+FFFD."""
-        ids = list(ids)
-        for i in ids:
-            if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.vocab_size:
+        checked = []
+        for i in ids:  # Python, NumPy or 0-d torch integers
+            index = operator.index(i) if hasattr(i, "__index__") and not isinstance(i, bool) else None
+            if index is None or not 0 <= index < self.vocab_size:
                 raise ValueError(f"token id {i!r} is not in the vocabulary: ids are ints in [0, {self.vocab_size})")
-        return b"".join(self.vocab[i] for i in ids).decode("utf-8", errors="replace")
+            checked.append(index)
+        return b"".join(self.vocab[i] for i in checked).decode("utf-8", errors="replace")
 
     def tokens(self, text: str) -> list[str]:
         """The pieces text is split into, as readable strings (to see how a rare word splits)."""

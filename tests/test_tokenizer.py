@@ -2,7 +2,9 @@
 
 import json
 
+import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -109,6 +111,8 @@ def test_bad_input_is_rejected_clearly(bpe):
         bpe.decode([10**9])
     with pytest.raises(ValueError, match="token id -1 is not in the vocabulary"):
         bpe.decode([5, -1])  # not the last token, as Python's negative indexing would give
+    ids = bpe.encode("hello")
+    assert bpe.decode(np.array(ids)) == bpe.decode(torch.tensor(ids)) == "hello"  # NumPy and torch integers
     with pytest.raises(ValueError, match="distinct"):
         T.BPETokenizer([], ["<s>", "<s>"])
 
