@@ -12,7 +12,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from labkit.data import concat_with_separator, encode_texts
-from labkit.torchutil import check_token_ids, eval_mode, seeded, vocab_size
+from labkit.torchutil import check_token_ids, eval_mode, is_int, seeded, vocab_size
 
 
 @dataclass
@@ -44,7 +44,7 @@ def windows(n_tokens: int, max_length: int, stride: int) -> list[tuple[int, int,
     having no context, is not scored.
     """
     for name, value in (("n_tokens", n_tokens), ("max_length", max_length), ("stride", stride)):
-        if not isinstance(value, int) or isinstance(value, bool):
+        if not is_int(value):
             raise TypeError(f"{name} must be an int, got {value!r}")
     if n_tokens < 0 or max_length < 2:
         raise ValueError(

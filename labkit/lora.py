@@ -20,7 +20,7 @@ from torch import nn
 
 from labkit import assets, bench, tasks, train
 from labkit.models import count_parameters
-from labkit.torchutil import environ, quiet
+from labkit.torchutil import environ, is_int, is_number, quiet
 
 ALL_LINEAR = "all-linear"
 
@@ -37,11 +37,11 @@ def is_linear(module: nn.Module) -> bool:
 
 def _check_lora_args(r: int, alpha: float, dropout: float) -> None:
     """Refuse a rank, scale or dropout an adapter cannot have, naming the allowed values."""
-    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+    if not is_int(r) or r < 1:
         raise ValueError(f"rank r must be a positive int, got {r!r}")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha) or alpha <= 0:
+    if not is_number(alpha) or alpha <= 0:
         raise ValueError(f"alpha must be a positive number, got {alpha!r}")
-    if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not 0 <= dropout < 1:
+    if not is_number(dropout) or not 0 <= dropout < 1:
         raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from labkit import assets
-from labkit.torchutil import device_of, seeded
+from labkit.torchutil import device_of, is_int, seeded
 
 # transformers is imported inside the functions that build a model or tokenizer: its model classes take
 # several seconds to import, which commands and ranks that never build one should not pay.
@@ -100,7 +100,7 @@ def _check_shape(vocab_size: int, hidden_size: int, num_layers: int, num_heads: 
     """Refuse sizes a model cannot have, naming the rule, before transformers builds (or half-builds) it."""
     sizes = {"vocab_size": vocab_size, "hidden_size": hidden_size, "num_layers": num_layers, "num_heads": num_heads}
     for name, value in {**sizes, "num_kv_heads": num_kv_heads}.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if not is_int(value) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if hidden_size % num_heads:
         raise ValueError(f"hidden_size ({hidden_size}) must be a multiple of num_heads ({num_heads})")

@@ -227,7 +227,7 @@ def train_bpe(
     """Learn merges until the vocabulary (specials + 256 bytes + merges) reaches vocab_size."""
     if isinstance(texts, (str, bytes)):
         raise TypeError("texts must be an iterable of strings (documents), not one string: pass [text]")
-    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool):
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool):  # torchutil.is_int, without torch
         raise TypeError(f"vocab_size must be an int, got {vocab_size!r}")
     special_tokens = [special_tokens] if isinstance(special_tokens, str) else list(special_tokens)
     if vocab_size < 256 + len(special_tokens):

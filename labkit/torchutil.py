@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import os
 import warnings
 from collections.abc import Iterator
@@ -17,6 +18,16 @@ import torch
 from torch import nn
 
 _DECODER_PATHS = ("model.layers", "model.decoder.layers", "gpt_neox.layers", "transformer.h")
+
+
+def is_int(value: Any) -> bool:
+    """An int and not a bool: True is 1 to Python, never a size or a count to a caller who wrote it."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """A finite int or float, not a bool: what a rate, scale or probability argument must be."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def device_of(device: str | torch.device) -> torch.device:

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from labkit import assets, bench, precision
 from labkit.checkpoint import latest_checkpoint, load_checkpoint, remove_unfinished, save_checkpoint
-from labkit.torchutil import activation_checkpointing, check_token_ids, seeded, vocab_size
+from labkit.torchutil import activation_checkpointing, check_token_ids, is_int, is_number, seeded, vocab_size
 
 SCHEDULES = ("cosine", "linear", "constant")
 
@@ -59,11 +59,11 @@ class TrainConfig:
     def __post_init__(self) -> None:
         counts = ("steps", "accum_steps", "warmup_steps", "checkpoint_every", "keep_checkpoints", "seed")
         for name in counts:
-            if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
+            if not is_int(getattr(self, name)):
                 raise TypeError(f"{name} must be an int, got {getattr(self, name)!r}")
         for name in ("lr", "min_lr", "weight_decay") + (("grad_clip",) if self.grad_clip is not None else ()):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            if not is_number(value):
                 raise TypeError(f"{name} must be a finite number, got {value!r}")
         for name in ("checkpoint_dir", "log_path"):  # kept as text: the config is saved as JSON in checkpoints
             if isinstance(getattr(self, name), os.PathLike):

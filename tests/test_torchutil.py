@@ -5,6 +5,7 @@ import sys
 import warnings
 
 import pytest
+import torch
 from torch import nn
 
 from labkit import torchutil
@@ -67,3 +68,23 @@ def test_quiet_holds_back_output_and_named_warnings_and_shows_the_output_on_fail
             print("step 3 of 4")
             raise OSError("disk")
     assert isinstance(err.value.__cause__, OSError)
+
+
+@pytest.mark.parametrize(
+    "value, integer, number",
+    [(3, True, True), (True, False, False), (3.0, False, True), ("3", False, False), (float("nan"), False, False)]
+    + [(float("inf"), False, False), (None, False, False), (-2, True, True)],
+)
+def test_is_int_and_is_number_refuse_bools_text_and_non_finite_values(value, integer, number):
+    assert (torchutil.is_int(value), torchutil.is_number(value)) == (integer, number)
+
+
+def test_token_ids_are_checked_against_the_embedding_and_skipped_without_one():
+    llama = tiny_llama(vocab_size=40)
+    assert torchutil.vocab_size(llama) == 40 and torchutil.vocab_size(torch.nn.Linear(2, 2)) is None
+    torchutil.check_token_ids(torch.tensor([[0, 39]]), 40)
+    torchutil.check_token_ids(torch.tensor([[99]]), None)  # a model without an embedding: nothing to check
+    with pytest.raises(ValueError, match=r"input ids hold token id 40, outside the model's vocabulary \[0, 40\)"):
+        torchutil.check_token_ids(torch.tensor([[3, 40]]), 40)
+    with pytest.raises(ValueError, match="token id -2"):
+        torchutil.check_token_ids(torch.tensor([-2, 5]), 40)

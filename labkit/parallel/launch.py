@@ -24,6 +24,8 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from labkit.torchutil import is_int
+
 RESULT_ENV = "LABKIT_RESULT_DIR"
 DEVICE_ENV = "LABKIT_DIST_DEVICE"  # 'cpu' or 'cuda': where the ranks run, instead of the automatic choice
 LAUNCHER_ENV = "LABKIT_LAUNCHER"  # 'pid:start_time' of the process that called launch(); ranks die with it
@@ -167,7 +169,7 @@ def launch(
     failing rank's traceback; past `timeout` seconds, or on an interrupt, the job is killed, so a hung
     rank never hangs the caller and no rank outlives the call.
     """
-    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
+    if not is_int(nproc) or nproc < 1:
         raise ValueError(f"nproc must be an int >= 1, got {nproc!r}")
     if not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")

@@ -32,7 +32,7 @@ def slurm_script(
     if cpus_per_node is not None:
         counts["cpus_per_node"] = cpus_per_node
     for name, value in counts.items():
-        if not isinstance(value, int) or isinstance(value, bool):
+        if not isinstance(value, int) or isinstance(value, bool):  # torchutil.is_int; torch is not imported here
             raise TypeError(f"{name} must be an int, got {value!r}")
     if nodes < 1 or gpus_per_node < 1:
         raise ValueError(f"need nodes >= 1 and gpus_per_node >= 1, got {nodes}, {gpus_per_node}")

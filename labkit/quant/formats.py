@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from labkit.torchutil import is_int
+
 BITS = (2, 3, 4, 8)
 
 
@@ -26,16 +28,12 @@ class QuantConfig:
     act_order: bool = False  # GPTQ: quantize columns by decreasing Hessian diagonal ("desc_act")
 
     def __post_init__(self) -> None:
-        if not isinstance(self.bits, int) or isinstance(self.bits, bool) or self.bits not in BITS:
+        if not is_int(self.bits) or self.bits not in BITS:
             raise ValueError(f"bits must be one of {BITS}, got {self.bits!r}")
         for name in ("sym", "act_order"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if (
-            not isinstance(self.group_size, int)
-            or isinstance(self.group_size, bool)
-            or (self.group_size < 1 and self.group_size != -1)
-        ):
+        if not is_int(self.group_size) or (self.group_size < 1 and self.group_size != -1):
             raise ValueError(f"group_size must be a positive int or -1 (per channel), got {self.group_size!r}")
         if not (isinstance(self.damp, (int, float)) and 0 <= self.damp < 1):
             raise ValueError(f"damp must be in [0, 1), got {self.damp!r}")
