@@ -13,12 +13,15 @@ from labkit.torchutil import device_of
 MODES = ("fp32", "tf32", "bf16", "fp16")
 
 
+MANTISSA_BITS = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7, torch.float64: 52}
+
+
 def format_facts(dtype: torch.dtype) -> dict[str, float | int | str]:
     """Bits, range and precision of a floating-point format (lab 02's table)."""
-    if dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+    if dtype not in MANTISSA_BITS:
         raise ValueError(f"dtype must be one of torch.float32, float16, bfloat16, float64; got {dtype!r}")
     info = torch.finfo(dtype)
-    mantissa = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7, torch.float64: 52}[dtype]
+    mantissa = MANTISSA_BITS[dtype]
     return {
         "format": str(dtype).removeprefix("torch."),
         "bits": info.bits,
