@@ -1,7 +1,10 @@
 # The two commands of the course: `make lab` and `make test`. Everything else is a step of those.
 #
-#   make lab                 set up .venv, stage the offline assets, open JupyterLab on labs/
-#   make test                set up .venv, stage the assets, lint, run unit tests and notebooks (smoke profile)
+#   make lab                 set up .venv, stage the offline assets, open JupyterLab on working copies of the
+#                            labs as students get them (build/lab/: exercises to write, no outputs)
+#   make lab-solutions       the same on the solved labs with their committed outputs (build/lab-solutions/)
+#   make test                set up .venv, stage the assets, lint, run unit tests and the student build of every
+#                            lab from its first cell to its last (smoke profile)
 #   make lab LAB_ARGS="--no-browser --ip=0.0.0.0 --port=8890"   (a cluster node; tunnel the port)
 #   make lab TORCH="torch --index-url https://download.pytorch.org/whl/cu128"   (pick your torch build)
 #
@@ -35,20 +38,30 @@ STAMP      := $(VENV)/.labkit-installed-$(SETUP_HASH)
 # this clone's labkit, also where the venv's editable install points at another clone (VENV=)
 RUN        := PATH="$(abspath $(VENV))/bin:$$PATH" PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}"
 
-.PHONY: lab test lint gpu-check student setup prepare doctor clean
+.PHONY: lab lab-solutions test lint gpu-check student setup prepare doctor clean
 
+# Both open working copies under build/, never the tracked notebooks: running a lab modifies no tracked
+# file, and a copy a student has changed is never overwritten (an unchanged one follows the course).
 lab: prepare
 	$(RUN) GPTQMODEL_OFFLINE=$(GPTQMODEL_OFFLINE) $(PY) -m labkit lab $(LAB_ARGS)
+
+lab-solutions: prepare
+	$(RUN) GPTQMODEL_OFFLINE=$(GPTQMODEL_OFFLINE) $(PY) -m labkit lab --solutions $(LAB_ARGS)
 
 # The suite runs on TEST_WORKERS processes (pytest-xdist; 0 = one process): each test file, and each
 # notebook with all its cells in one kernel (--dist loadscope), stays on one worker. With workers, torch
 # gets one thread per process: two processes of two threads on two cores spin against each other (on
 # the 2-core CI machine the first two notebooks had not finished after 10 minutes that way; with one
 # thread each the whole suite took 13). Where the time went is written to tests/durations.txt.
+# The notebooks run are the student build (exercises unwritten, each check going on with labkit's
+# reference) with the committed outputs kept for nbval's tagged cells: Run All must reach the end of
+# every lab as students get it. The solutions themselves are run against their checks in test_student.py.
 test: prepare lint
+	rm -rf build/test-labs
+	$(RUN) $(PY) -m labkit student --labs labs --keep-outputs --output build/test-labs
 	$(RUN) LABKIT_PROFILE=smoke HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 GPTQMODEL_OFFLINE=$(GPTQMODEL_OFFLINE) \
 	  LABKIT_DURATIONS=tests/durations.txt $(if $(filter 0,$(TEST_WORKERS)),,OMP_NUM_THREADS=1) \
-	  $(PY) -m pytest labs tests -p tests.durations -n $(TEST_WORKERS) --dist loadscope \
+	  $(PY) -m pytest build/test-labs tests -p tests.durations -n $(TEST_WORKERS) --dist loadscope \
 	  --nbval-lax --nbval-cell-timeout=600 --durations=15 $(PYTEST_ARGS)
 
 # style is part of the suite: ruff (pinned in the dev extra) lints and checks the formatting of the
@@ -62,7 +75,7 @@ gpu-check: prepare
 	  $(PY) -m labkit gpu-check $(GPU_CHECK_ARGS)
 
 student: setup
-	$(PY) -m labkit student --labs labs --output build/student
+	$(RUN) $(PY) -m labkit student --labs labs --output build/student
 
 setup: $(STAMP)
 

@@ -88,8 +88,15 @@ def _lab(args: argparse.Namespace) -> int:
     if jupyter is None:
         print("labkit lab: JupyterLab is not installed; run `pip install -e .[dev]` (or `make lab`)", file=sys.stderr)
         return 1
+    root = args.root
+    if root is None:  # working copies, so that running a lab never modifies a tracked notebook
+        from labkit.student import workspace
+
+        root = args.workspace or LABS_DIR.parent / "build" / ("lab-solutions" if args.solutions else "lab")
+        for name, what in workspace(LABS_DIR, root, solutions=args.solutions).items():
+            print(f"{root.name}/{name}: {what}")
     # Offline by default: the extension manager would otherwise query PyPI.
-    cmd = [jupyter, "lab", f"--ServerApp.root_dir={args.root}", "--LabApp.extension_manager=readonly"]
+    cmd = [jupyter, "lab", f"--ServerApp.root_dir={root}", "--LabApp.extension_manager=readonly"]
     if hasattr(os, "geteuid") and os.geteuid() == 0:  # containers and CI often run as root
         cmd.append("--allow-root")
     cmd += args.passthrough
@@ -143,7 +150,7 @@ def _gpu_check(args: argparse.Namespace) -> int:
 def _student(args: argparse.Namespace) -> int:
     from labkit.student import build_student
 
-    counts = build_student(args.labs, args.output)
+    counts = build_student(args.labs, args.output, keep_outputs=args.keep_outputs)
     for name, count in counts.items():
         print(f"{name}: {count} exercise region{'s' * (count != 1)} stubbed")
     print(f"wrote the student notebooks to {args.output}")
@@ -174,11 +181,23 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("profile", help="show the sizes of a run profile")
     p.add_argument("name", nargs="?", help="smoke, cpu or gpu (default: auto-detected)")
     p.set_defaults(func=_profile)
-    p = sub.add_parser("lab", help="open JupyterLab on the labs/ folder; extra arguments go to jupyter lab")
+    p = sub.add_parser(
+        "lab",
+        help="open JupyterLab on working copies of the labs (the student build: exercises to write, no outputs; "
+        "build/lab/); extra arguments go to jupyter lab",
+    )
+    p.add_argument(
+        "--solutions",
+        action="store_true",
+        help="the solved labs with their committed outputs instead (build/lab-solutions/)",
+    )
+    p.add_argument(
+        "--workspace", type=Path, help="where the working copies go (default: build/lab or build/lab-solutions)"
+    )
     p.add_argument(
         "--root",
-        default=str(LABS_DIR if LABS_DIR.is_dir() else Path.cwd()),
-        help="folder to serve (default: the course's labs/, else the current folder)",
+        default=None if LABS_DIR.is_dir() else str(Path.cwd()),
+        help="serve this folder as it is instead of working copies (default outside a clone: the current folder)",
     )
     p.set_defaults(func=_lab)
     p = sub.add_parser(
@@ -207,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("student", help="write the student notebooks: solutions replaced by stubs, outputs cleared")
     p.add_argument("--labs", default=str(LABS_DIR), help="the solution notebooks (default: the course's labs/)")
     p.add_argument("--output", "-o", default="build/student", help="where to write them (default: build/student)")
+    p.add_argument(
+        "--keep-outputs", action="store_true", help="keep the committed outputs (what `make test` runs under nbval)"
+    )
     p.set_defaults(func=_student)
     argv = sys.argv[1:] if argv is None else list(argv)
     cut = argv.index("--") if "--" in argv else len(argv)

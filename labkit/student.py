@@ -1,4 +1,5 @@
-"""The student build: the lab notebooks with their exercise solutions replaced by stubs (`make student`).
+"""The student build: the lab notebooks with their exercise solutions replaced by stubs (`make student`),
+and the working copies `make lab` opens, so that running a lab never modifies a tracked file.
 
 One source: a solution is written once, in the lab notebook, between two marker lines
 
@@ -7,13 +8,15 @@ One source: a solution is written once, in the lab notebook, between two marker 
     # END SOLUTION
 
 and the student build replaces each such region by `raise NotImplementedError(...)` at the same
-indentation, and clears every output. The solution notebooks are what CI executes; the student
-notebooks still run top to bottom up to the first exercise, where the stub raises and the check
-after it says which exercise is left.
+indentation, drops the cells tagged `solution-only` (reference figures that would give away a
+prediction), and clears every output. A student notebook runs from the first cell to the last: each
+exercise's check says it is not written yet and the lab goes on with labkit's reference.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import shutil
 from pathlib import Path
@@ -22,6 +25,8 @@ from labkit import assets
 
 BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
 STUB = 'raise NotImplementedError("exercise: write this part, then run the check below")'
+HIDDEN = "solution-only"  # a cell tag: left out of the student build
+MANIFEST = ".labkit-workspace.json"  # what `workspace` wrote, to tell a student's edits from the course's
 
 
 def strip_solutions(source: str, where: str = "cell") -> tuple[str, int]:
@@ -46,34 +51,94 @@ def strip_solutions(source: str, where: str = "cell") -> tuple[str, int]:
     return "".join(out), count
 
 
-def student_notebook(path: str | Path) -> tuple[dict, int]:
-    """A lab notebook as students get it: solutions stubbed, outputs and execution counts cleared."""
-    import nbformat  # the dev extra's: only `make student` needs it
+def student_notebook(path: str | Path, keep_outputs: bool = False) -> tuple[dict, int]:
+    """A lab notebook as students get it: solutions stubbed, `solution-only` cells dropped, outputs and
+    execution counts cleared (kept with keep_outputs, for the suite's nbval run of the student build)."""
+    import nbformat  # the dev extra's: only the student build needs it
 
     nb = nbformat.read(str(path), as_version=4)
-    total = 0
+    total, cells = 0, []
     for index, cell in enumerate(nb.cells):
-        if cell.cell_type != "code":
+        if HIDDEN in cell.metadata.get("tags", []):
             continue
-        cell.source, count = strip_solutions(cell.source, f"{Path(path).name}, cell {index}")
-        total += count
-        cell.outputs, cell.execution_count = [], None
-        cell.metadata.pop("execution", None)
-    nb.metadata.pop("widgets", None)
+        if cell.cell_type == "code":
+            cell.source, count = strip_solutions(cell.source, f"{Path(path).name}, cell {index}")
+            total += count
+            if not keep_outputs:
+                cell.outputs, cell.execution_count = [], None
+                cell.metadata.pop("execution", None)
+        cells.append(cell)
+    nb.cells = cells
+    if not keep_outputs:
+        nb.metadata.pop("widgets", None)
     return nb, total
 
 
-def build_student(labs: str | Path, dest: str | Path) -> dict[str, int]:
-    """Write the student version of every notebook in `labs` into `dest` (atomically); returns exercises per lab."""
-    import nbformat  # the dev extra's: only `make student` needs it
-
+def _notebooks(labs: str | Path) -> list[Path]:
     notebooks = sorted(Path(labs).glob("*.ipynb"))
     if not notebooks:
         raise FileNotFoundError(f"no notebooks in {labs}")
-    built = {path.name: student_notebook(path) for path in notebooks}  # every notebook checked before writing
+    return notebooks
+
+
+def _copy_scripts(labs: str | Path, dest: str | Path) -> None:
+    """What labs 04-05 launch under torchrun, beside the notebooks, unchanged."""
+    if (Path(labs) / "scripts").is_dir():
+        shutil.copytree(
+            Path(labs) / "scripts",
+            Path(dest) / "scripts",
+            ignore=shutil.ignore_patterns("__pycache__"),
+            dirs_exist_ok=True,
+        )
+
+
+def build_student(labs: str | Path, dest: str | Path, keep_outputs: bool = False) -> dict[str, int]:
+    """Write the student version of every notebook in `labs` into `dest` (atomically); returns exercises per lab."""
+    import nbformat  # the dev extra's: only the student build needs it
+
+    built = {path.name: student_notebook(path, keep_outputs) for path in _notebooks(labs)}  # all checked first
     with assets.atomic_directory(dest) as tmp:
         for name, (nb, _) in built.items():
             nbformat.write(nb, str(Path(tmp) / name))
-        if (Path(labs) / "scripts").is_dir():  # what labs 04-05 launch under torchrun, unchanged
-            shutil.copytree(Path(labs) / "scripts", Path(tmp) / "scripts", ignore=shutil.ignore_patterns("__pycache__"))
+        _copy_scripts(labs, tmp)
     return {name: count for name, (_, count) in built.items()}
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def workspace(labs: str | Path, dest: str | Path, solutions: bool = False) -> dict[str, str]:
+    """Working copies of the labs in `dest` for JupyterLab: the student build, or the solution notebooks as
+    committed (with their outputs). A copy the student has changed is never overwritten; an unchanged copy
+    follows the course's notebook. Returns, per lab, what happened to it, in words."""
+    import nbformat  # the dev extra's: only the student build needs it
+
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    manifest_path = dest / MANIFEST
+    written = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
+    report = {}
+    for path in _notebooks(labs):
+        text = path.read_text() if solutions else nbformat.writes(student_notebook(path)[0])
+        copy = dest / path.name
+        if not copy.exists():
+            report[path.name] = "written"
+        elif _digest(copy.read_text()) == _digest(text):
+            report[path.name] = "up to date"
+            continue
+        elif _digest(copy.read_text()) == written.get(path.name):  # the course changed, the student did not
+            report[path.name] = "updated to the course's new version"
+        else:
+            newer = written.get(path.name) != _digest(text)
+            report[path.name] = "kept as you left it" + (
+                f" (the course's version differs: rename yours, e.g. to {path.stem}.mine.ipynb, to get it)"
+                if newer
+                else ""
+            )
+            continue
+        assets.atomic_write_text(copy, text)
+        written[path.name] = _digest(text)
+    _copy_scripts(labs, dest)
+    assets.atomic_write_text(manifest_path, json.dumps(written, indent=1, sort_keys=True))
+    return report

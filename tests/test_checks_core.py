@@ -1,5 +1,6 @@
-"""labkit.checks as a whole: a stub (the student build's `raise NotImplementedError`) or a non-function is
-reported as the exercise left to do by every check, and the package re-exports every lab's checks."""
+"""labkit.checks as a whole: a stub (the student build's `raise NotImplementedError`) is reported as the exercise
+left to do and the lab goes on with labkit's reference, which answers the exercise as the check wants; a wrong
+answer stops the cell with one line, not a traceback through labkit; the package re-exports every lab's checks."""
 
 from __future__ import annotations
 
@@ -11,44 +12,33 @@ from labkit import checks
 from labkit.checks import core
 from tests.stubs import stub
 
+ALL_CHECKS = [getattr(checks, name) for name in checks.__all__ if name.startswith("check_")]
 
-def test_a_stub_is_reported_as_not_written_yet():
-    with pytest.raises(checks.CheckFailed, match="not written yet"):
-        checks.check_merge_pair(stub)
+
+@pytest.mark.parametrize("check", ALL_CHECKS, ids=lambda c: c.__name__)
+def test_a_stub_is_reported_in_one_line_and_the_lab_goes_on_with_the_reference(check, capsys):
+    reference = check(stub)
+    said = capsys.readouterr().out
+    assert said.count("\n") == 1 and "not written yet" in said and "goes on with labkit's" in said
+    assert reference is not stub and callable(reference)
+    assert check(reference) is reference  # the reference has the exercise's signature and its answers
+    assert "passed" in capsys.readouterr().out
+
+
+def test_a_non_function_is_an_error():
     with pytest.raises(checks.CheckFailed, match="expected a function"):
         checks.check_merge_pair(None)
 
 
-@pytest.mark.parametrize(
-    "check",
-    [checks.check_median_time, checks.check_reduce_scatter_step, checks.check_1f1b_order, checks.check_gptq_column],
-)
-def test_new_checks_report_a_stub_as_not_written_yet(check):
-    with pytest.raises(checks.CheckFailed, match="not written yet"):
-        check(stub)
+def test_a_wrong_answer_shows_one_line_in_ipython_not_a_traceback(capsys):
+    from IPython.core.interactiveshell import InteractiveShell
 
-
-@pytest.mark.parametrize(
-    "check", [checks.check_lr_at, checks.check_all_gather_step, checks.check_pack_nibbles, checks.check_lora_merge]
-)
-def test_second_exercise_checks_report_a_stub_as_not_written_yet(check):
-    with pytest.raises(checks.CheckFailed, match="not written yet"):
-        check(stub)
-
-
-@pytest.mark.parametrize(
-    "check",
-    [
-        checks.check_windows,
-        checks.check_pack_blocks,
-        checks.check_kept_fraction,
-        checks.check_bubble_fraction,
-        checks.check_overall_sparsity,
-    ],
-)
-def test_more_checks_report_a_stub_as_not_written_yet(check):
-    with pytest.raises(checks.CheckFailed, match="not written yet"):
-        check(stub)
+    shell = InteractiveShell.instance()
+    result = shell.run_cell("from labkit import checks\nchecks.check_loss_divisors(lambda counts: [1] * len(counts))")
+    shown = capsys.readouterr().out
+    assert isinstance(result.error_in_exec, checks.CheckFailed)
+    assert "CheckFailed: exercise 03.1" in shown and "hint:" in shown
+    assert "Traceback" not in shown and "labkit/checks" not in shown and len(shown.strip().splitlines()) == 1
 
 
 def test_the_package_re_exports_every_check_of_every_lab():

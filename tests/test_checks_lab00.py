@@ -16,7 +16,7 @@ def median_time(work, sync, clock, warmup, repeats):
 
 
 def test_median_time_check_passes_the_reference():
-    assert "passed" in lab00.check_median_time(median_time)
+    assert lab00.check_median_time(median_time) is median_time
 
 
 def timer_variant(sync_before=True, sync_after=True, reduce=statistics.median):
@@ -52,7 +52,7 @@ def test_median_time_check_explains_wrong_answers(wrong, hint):
 
 
 def test_windows_check_passes_the_reference():
-    assert "passed" in lab00.check_windows(evaluate.windows)
+    assert lab00.check_windows(evaluate.windows) is evaluate.windows
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from labkit.parallel import ring
 
 
 def test_reduce_scatter_check_passes_the_reference():
-    assert "passed" in lab04.check_reduce_scatter_step(ring.ring_step)
+    assert lab04.check_reduce_scatter_step(ring.ring_step) is ring.ring_step
 
 
 def step_overwriting(chunks, step):
@@ -68,7 +68,7 @@ def gather_adding(chunks, step):
 
 
 def test_all_gather_check_passes_the_reference():
-    assert "passed" in lab04.check_all_gather_step(all_gather_reference)
+    assert lab04.check_all_gather_step(all_gather_reference) is all_gather_reference
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,8 @@ from labkit.parallel import pipeline
 
 
 def test_1f1b_check_passes_the_reference():
-    assert "passed" in lab05.check_1f1b_order(lambda s, p, m: pipeline.schedule_order("1f1b", s, p, m))
+    answer = lambda s, p, m: pipeline.schedule_order("1f1b", s, p, m)  # noqa: E731
+    assert lab05.check_1f1b_order(answer) is answer
 
 
 @pytest.mark.parametrize(
@@ -27,7 +28,7 @@ def test_1f1b_check_explains_wrong_answers(wrong, hint):
 
 
 def test_bubble_fraction_check_passes_the_reference():
-    assert "passed" in lab05.check_bubble_fraction(pipeline.bubble_fraction)
+    assert lab05.check_bubble_fraction(pipeline.bubble_fraction) is pipeline.bubble_fraction
 
 
 def bubble_one_rank(events):

@@ -8,6 +8,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import nbformat
 import pytest
 
 from labkit import cli
@@ -88,6 +89,8 @@ def test_lab_server_answers_on_its_port(tmp_path):
             "-m",
             "labkit",
             "lab",
+            "--workspace",
+            str(tmp_path / "lab"),
             "--no-browser",
             f"--port={port}",
             "--ip=127.0.0.1",
@@ -113,4 +116,6 @@ def test_lab_server_answers_on_its_port(tmp_path):
         proc.terminate()
         proc.wait(timeout=30)
     assert status is not None and "started" in status
-    assert "00_gpu_setup.ipynb" in names  # it serves the course's labs/ folder
+    assert "00_gpu_setup.ipynb" in names  # it serves working copies of the course's labs
+    served = nbformat.read(str(tmp_path / "lab" / "00_gpu_setup.ipynb"), as_version=4)
+    assert not any(c.get("outputs") for c in served.cells)  # the student build, not the solved notebook

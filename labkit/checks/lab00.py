@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from labkit import bench, evaluate
-from labkit.checks.core import CheckFailed, _call, _passed
+from labkit.checks.core import CheckFailed, _call, _passed, goes_on_with
 
 
 class _SimulatedGPU:
@@ -28,7 +28,15 @@ class _SimulatedGPU:
         return self.now
 
 
-def check_median_time(fn: Callable[..., float]) -> str:
+def _median_time(
+    work: Callable[[], object], sync: Callable[[], None], clock: Callable[[], float], warmup: int, repeats: int
+) -> float:
+    """labkit's answer to exercise 00.1, in the exercise's signature."""
+    return bench.time_fn(work, warmup=warmup, repeats=repeats, clock=clock, sync=sync).median
+
+
+@goes_on_with(_median_time, "bench.time_fn(...).median")
+def check_median_time(fn: Callable[..., float]) -> Callable:
     """Lab 00: fn(work, sync, clock, warmup, repeats) returns the median seconds of `repeats` timed calls."""
     exercise = "exercise 00.1 (timing done right)"
     # (durations of successive calls, warmup, repeats): a slow first call (compilation, allocation),
@@ -36,9 +44,7 @@ def check_median_time(fn: Callable[..., float]) -> str:
     cases = [([5.0, 0.2, 0.1, 0.3, 4.0, 0.2], 1, 5), ([0.5, 0.5, 0.25], 2, 1), ([1.0, 2.0, 3.0, 40.0], 0, 4)]
     for durations, warmup, repeats in cases:
         reference = _SimulatedGPU(durations)
-        expected = bench.time_fn(
-            reference.fn, warmup=warmup, repeats=repeats, clock=reference.clock, sync=reference.sync
-        ).median
+        expected = _median_time(reference.fn, reference.sync, reference.clock, warmup, repeats)
         device = _SimulatedGPU(durations)
         got = _call(exercise, fn, device.fn, device.sync, device.clock, warmup, repeats)
         if device.calls != warmup + repeats:
@@ -67,7 +73,8 @@ def check_median_time(fn: Callable[..., float]) -> str:
     return _passed(exercise, len(cases))
 
 
-def check_windows(fn: Callable[[int, int, int], list[tuple[int, int, int]]]) -> str:
+@goes_on_with(evaluate.windows, "evaluate.windows")
+def check_windows(fn: Callable[[int, int, int], list[tuple[int, int, int]]]) -> Callable:
     """Lab 00: fn(n_tokens, max_length, stride) lists (begin, end, n_scored) windows that score each token at most
     once, each window scoring only its last n_scored tokens (as `evaluate.windows`)."""
     exercise = "exercise 00.2 (perplexity windows)"

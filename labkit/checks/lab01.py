@@ -7,7 +7,7 @@ from collections.abc import Callable
 import numpy as np
 
 from labkit import data, tokenizer
-from labkit.checks.core import CheckFailed, _call, _passed, _rows
+from labkit.checks.core import CheckFailed, _call, _passed, _rows, goes_on_with
 
 
 def _merge_overlapping(word: tuple[int, ...], a: int, b: int, new: int) -> tuple[int, ...]:
@@ -19,7 +19,8 @@ def _merge_right_to_left(word: tuple[int, ...], a: int, b: int, new: int) -> tup
     return tokenizer.merge_pair(word[::-1], b, a, new)[::-1]
 
 
-def check_merge_pair(fn: Callable[[tuple[int, ...], int, int, int], tuple[int, ...]]) -> str:
+@goes_on_with(tokenizer.merge_pair, "tokenizer.merge_pair")
+def check_merge_pair(fn: Callable[[tuple[int, ...], int, int, int], tuple[int, ...]]) -> Callable:
     """Lab 01: fn(word, a, b, new) replaces each (a, b) in `word`, left to right, without overlaps, by `new`."""
     exercise = "exercise 01.1 (one BPE merge)"
     cases = [
@@ -51,12 +52,18 @@ def check_merge_pair(fn: Callable[[tuple[int, ...], int, int, int], tuple[int, .
     return _passed(exercise, len(cases))
 
 
-def check_pack_blocks(fn: Callable[[list[int], int], list[list[int]]]) -> str:
+def _pack_blocks(stream: list[int], size: int) -> list[list[int]]:
+    """labkit's answer to exercise 01.2, in the exercise's signature."""
+    return data.pack_blocks(np.array(stream), size).tolist()
+
+
+@goes_on_with(_pack_blocks, "data.pack_blocks")
+def check_pack_blocks(fn: Callable[[list[int], int], list[list[int]]]) -> Callable:
     """Lab 01: fn(stream, block_size) cuts a token stream into full blocks, dropping the tail."""
     exercise = "exercise 01.2 (packing a stream into blocks)"
     cases = [(list(range(10)), 4), (list(range(8)), 4), (list(range(5)), 5), (list(range(7)), 1)]
     for stream, size in cases:
-        expected = data.pack_blocks(np.array(stream), size).tolist()
+        expected = _pack_blocks(stream, size)
         got = _call(exercise, fn, list(stream), size)
         got = _rows(got, list)
         if got != expected:

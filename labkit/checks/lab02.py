@@ -7,10 +7,11 @@ from collections.abc import Callable
 import torch
 
 from labkit import precision
-from labkit.checks.core import CheckFailed, _call, _passed
+from labkit.checks.core import CheckFailed, _call, _passed, goes_on_with
 
 
-def check_update_loss_scale(fn: Callable[[float, int, bool, float, float, int], tuple[float, int]]) -> str:
+@goes_on_with(precision.update_loss_scale, "precision.update_loss_scale")
+def check_update_loss_scale(fn: Callable[[float, int, bool, float, float, int], tuple[float, int]]) -> Callable:
     """Lab 02: fn(scale, good_steps, found_inf, growth_factor, backoff_factor, growth_interval) -> (scale, steps)."""
     exercise = "exercise 02.1 (dynamic loss scaling)"
     flags = [False, False, False, True, False, False, False, False, True, True, False, False, False]
@@ -35,7 +36,8 @@ def check_update_loss_scale(fn: Callable[[float, int, bool, float, float, int], 
     return _passed(exercise, len(flags))
 
 
-def check_kept_fraction(fn: Callable[[torch.Tensor, torch.dtype, float], float]) -> str:
+@goes_on_with(precision.kept_fraction, "precision.kept_fraction")
+def check_kept_fraction(fn: Callable[[torch.Tensor, torch.dtype, float], float]) -> Callable:
     """Lab 02: fn(values, dtype, scale) is the share of non-zero values still non-zero after scaling and casting."""
     exercise = "exercise 02.2 (what a format keeps)"
     values = torch.tensor([1e-3, 1e-6, 1e-8, 3e-9, 1e-10, 2.0, 0.0, -5e-8])

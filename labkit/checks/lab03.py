@@ -6,10 +6,11 @@ import math
 from collections.abc import Callable
 
 from labkit import train
-from labkit.checks.core import CheckFailed, _call, _passed
+from labkit.checks.core import CheckFailed, _call, _passed, goes_on_with
 
 
-def check_loss_divisors(fn: Callable[[list[int]], list[int]]) -> str:
+@goes_on_with(train.loss_divisors, "train.loss_divisors")
+def check_loss_divisors(fn: Callable[[list[int]], list[int]]) -> Callable:
     """Lab 03: fn(token_counts) gives, per micro-batch, the divisor of its summed loss (token-normalized)."""
     exercise = "exercise 03.1 (token-normalized accumulation)"
     cases = [[100, 100], [300, 20, 80, 1], [7], [0, 5, 5]]
@@ -47,7 +48,14 @@ def _cosine(
     return low + 0.5 * (lr - low) * (1 + math.cos(math.pi * progress))
 
 
-def check_lr_at(fn: Callable[[int, int, int, float, float], float]) -> str:
+def _lr_at_step(step: int, steps: int, warmup_steps: int, lr: float, min_lr: float) -> float:
+    """labkit's answer to exercise 03.2, in the exercise's signature."""
+    cfg = train.TrainConfig(steps=steps, warmup_steps=warmup_steps, lr=lr, min_lr=min_lr, schedule="cosine")
+    return train.lr_at(step, cfg)
+
+
+@goes_on_with(_lr_at_step, "train.lr_at")
+def check_lr_at(fn: Callable[[int, int, int, float, float], float]) -> Callable:
     """Lab 03: fn(step, steps, warmup_steps, lr, min_lr) is the warm-up + cosine learning rate at 0-based `step`."""
     exercise = "exercise 03.2 (warm-up and cosine decay)"
     configs = [(10, 3, 1e-3, 1e-4), (100, 10, 2e-3, 1e-4), (5, 0, 1.0, 0.5), (4, 4, 1.0, 0.1)]
@@ -60,8 +68,7 @@ def check_lr_at(fn: Callable[[int, int, int, float, float], float]) -> str:
         },
     }
     for steps, warmup, lr, min_lr in configs:
-        cfg = train.TrainConfig(steps=steps, warmup_steps=warmup, lr=lr, min_lr=min_lr, schedule="cosine")
-        expected = [train.lr_at(step, cfg) for step in range(steps)]
+        expected = [_lr_at_step(step, steps, warmup, lr, min_lr) for step in range(steps)]
         got = [_call(exercise, fn, step, steps, warmup, lr, min_lr) for step in range(steps)]
         bad = [
             i

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from labkit.checks.core import CheckFailed, _call, _passed
+from labkit.checks.core import CheckFailed, _call, _passed, goes_on_with
 from labkit.parallel import ring
 
 
@@ -42,7 +42,8 @@ def _first_wrong_chunk(
     return got, (bad[0] if bad else None)
 
 
-def check_reduce_scatter_step(fn: Callable[[list[list[torch.Tensor]], int], list[list[torch.Tensor]]]) -> str:
+@goes_on_with(ring.ring_step, "parallel.ring.ring_step")
+def check_reduce_scatter_step(fn: Callable[[list[list[torch.Tensor]], int], list[list[torch.Tensor]]]) -> Callable:
     """Lab 04: fn(chunks, step) is one reduce-scatter step of a ring all-reduce (chunks[r][c]: rank r, chunk c)."""
     exercise = "exercise 04.1 (a ring reduce-scatter step)"
     cases = [(2, 0), (3, 0), (3, 1), (4, 2), (5, 1)]
@@ -71,7 +72,13 @@ def check_reduce_scatter_step(fn: Callable[[list[list[torch.Tensor]], int], list
     return _passed(exercise, len(cases))
 
 
-def check_all_gather_step(fn: Callable[[list[list[torch.Tensor]], int], list[list[torch.Tensor]]]) -> str:
+def _all_gather_step(chunks: list[list[torch.Tensor]], step: int) -> list[list[torch.Tensor]]:
+    """labkit's answer to exercise 04.2: all-gather step `step` is the ring's step p − 1 + step."""
+    return ring.ring_step(chunks, len(chunks) - 1 + step)
+
+
+@goes_on_with(_all_gather_step, "parallel.ring.ring_step")
+def check_all_gather_step(fn: Callable[[list[list[torch.Tensor]], int], list[list[torch.Tensor]]]) -> Callable:
     """Lab 04: fn(chunks, step) is one all-gather step of a ring all-reduce (step 0 … p − 2 of that phase)."""
     exercise = "exercise 04.2 (a ring all-gather step)"
     cases = [(2, 0), (3, 0), (3, 1), (4, 2), (5, 3)]
@@ -79,7 +86,7 @@ def check_all_gather_step(fn: Callable[[list[list[torch.Tensor]], int], list[lis
         chunks = _chunks(world, seed=world * 10 + step)
         for s in range(world - 1 + step):  # the reduce-scatter, then the all-gather steps before this one
             chunks = ring.ring_step(chunks, s)
-        expected = ring.ring_step(chunks, world - 1 + step)
+        expected = _all_gather_step(chunks, step)
         got, wrong_at = _first_wrong_chunk(exercise, fn, chunks, step, expected)
         if wrong_at:
             r, c = wrong_at

@@ -5,16 +5,22 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from labkit.checks.core import CheckFailed, _call, _passed, _rows
+from labkit.checks.core import CheckFailed, _call, _passed, _rows, goes_on_with
 from labkit.parallel import pipeline
 
 
-def check_1f1b_order(fn: Callable[[int, int, int], list[tuple[str, int]]]) -> str:
+def _one_f_one_b(stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
+    """labkit's answer to exercise 05.1, in the exercise's signature."""
+    return pipeline.schedule_order("1f1b", stage, stages, microbatches)
+
+
+@goes_on_with(_one_f_one_b, 'pipeline.schedule_order("1f1b", ...)')
+def check_1f1b_order(fn: Callable[[int, int, int], list[tuple[str, int]]]) -> Callable:
     """Lab 05: fn(stage, stages, microbatches) is the (kind, micro-batch) order one stage runs under 1F1B."""
     exercise = "exercise 05.1 (the 1F1B order)"
     cases = [(0, 2, 4), (1, 2, 4), (0, 4, 8), (2, 4, 8), (3, 4, 8), (0, 4, 2), (0, 1, 3)]
     for stage, stages, m in cases:
-        expected = pipeline.schedule_order("1f1b", stage, stages, m)
+        expected = _one_f_one_b(stage, stages, m)
         got = _call(exercise, fn, stage, stages, m)
         got = _rows(got, tuple)
         if got != expected:
@@ -34,7 +40,8 @@ def check_1f1b_order(fn: Callable[[int, int, int], list[tuple[str, int]]]) -> st
     return _passed(exercise, len(cases))
 
 
-def check_bubble_fraction(fn: Callable[[list[dict[str, Any]]], float]) -> str:
+@goes_on_with(pipeline.bubble_fraction, "pipeline.bubble_fraction")
+def check_bubble_fraction(fn: Callable[[list[dict[str, Any]]], float]) -> Callable:
     """Lab 05: fn(events) is the idle share 1 − busy / (ranks × span) of a pipeline timeline."""
     exercise = "exercise 05.2 (measuring the bubble)"
     two_stages = [

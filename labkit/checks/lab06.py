@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 from labkit import prune
-from labkit.checks.core import CheckFailed, _call, _passed
+from labkit.checks.core import CheckFailed, _call, _passed, goes_on_with
 
 
 def _groups_topk(scores: torch.Tensor, n: int, m: int) -> torch.Tensor:
@@ -20,7 +20,13 @@ def _row_topk(scores: torch.Tensor, n: int, m: int) -> torch.Tensor:
     return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, scores.topk(k, dim=-1).indices, True)
 
 
-def check_nm_mask(fn: Callable[[torch.Tensor, int, int], torch.Tensor]) -> str:
+def _nm_mask(weight: torch.Tensor, n: int, m: int) -> torch.Tensor:
+    """labkit's answer to exercise 06.1, in the exercise's signature."""
+    return prune.nm_masks({"w": weight}, n, m)["w"]
+
+
+@goes_on_with(_nm_mask, "prune.nm_masks")
+def check_nm_mask(fn: Callable[[torch.Tensor, int, int], torch.Tensor]) -> Callable:
     """Lab 06: fn(weight, n, m) is a bool keep-mask with the n largest |w| of every m consecutive inputs per row."""
     exercise = "exercise 06.1 (an N:M mask)"
     g = torch.Generator().manual_seed(0)
@@ -39,7 +45,7 @@ def check_nm_mask(fn: Callable[[torch.Tensor, int, int], torch.Tensor]) -> str:
         ),
     }
     for weight, n, m in cases:
-        expected = prune.nm_masks({"w": weight}, n, m)["w"]
+        expected = _nm_mask(weight, n, m)
         got = _call(exercise, fn, weight.clone(), n, m)
         if not isinstance(got, torch.Tensor) or got.shape != weight.shape:
             raise CheckFailed(
@@ -61,13 +67,18 @@ def check_nm_mask(fn: Callable[[torch.Tensor, int, int], torch.Tensor]) -> str:
     return _passed(exercise, len(cases))
 
 
-def check_overall_sparsity(fn: Callable[[list[tuple[int, int]]], float]) -> str:
+def _overall_sparsity(layers: list[tuple[int, int]]) -> float:
+    """labkit's answer to exercise 06.2, in the exercise's signature."""
+    return prune.overall_sparsity([prune.LayerSparsity(f"w{i}", (n,), zeros) for i, (zeros, n) in enumerate(layers)])
+
+
+@goes_on_with(_overall_sparsity, "prune.overall_sparsity")
+def check_overall_sparsity(fn: Callable[[list[tuple[int, int]]], float]) -> Callable:
     """Lab 06: fn([(zeros, params), ...]) is the share of zeros over all weights of the layers listed."""
     exercise = "exercise 06.2 (counting sparsity)"
     cases = [[(50, 100), (0, 100)], [(10, 10), (0, 990)], [(0, 7)], [(3, 4), (1, 4), (0, 8)]]
     for layers in cases:
-        report = [prune.LayerSparsity(f"w{i}", (params,), zeros) for i, (zeros, params) in enumerate(layers)]
-        expected = prune.overall_sparsity(report)
+        expected = _overall_sparsity(layers)
         got = _call(exercise, fn, list(layers))
         if not isinstance(got, (int, float)) or abs(got - expected) > 1e-12:
             mean_of_layers = sum(z / p for z, p in layers) / len(layers)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 from labkit import quant
-from labkit.checks.core import CheckFailed, _call, _passed
+from labkit.checks.core import CheckFailed, _call, _passed, goes_on_with
 
 
 def _column_case(seed: int, rows: int = 6, cols: int = 5, bits: int = 3):
@@ -21,7 +21,8 @@ def _column_case(seed: int, rows: int = 6, cols: int = 5, bits: int = 3):
     return block, u, scale, zero, 2**bits - 1
 
 
-def check_gptq_column(fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> str:
+@goes_on_with(quant.quantize_column, "quant.quantize_column")
+def check_gptq_column(fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> Callable:
     """Lab 07: fn(block, i, u, scale, zero, maxq) rounds column i, updates the columns after it in place,
     and returns (codes, error / u[i, i])."""
     exercise = "exercise 07.1 (one GPTQ column)"
@@ -72,13 +73,19 @@ def check_gptq_column(fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> s
     return _passed(exercise, len(cases))
 
 
-def check_pack_nibbles(fn: Callable[[list[int]], list[int]]) -> str:
+def _pack_nibbles(codes: list[int]) -> list[int]:
+    """labkit's answer to exercise 07.2, in the exercise's signature (unsigned 32-bit words)."""
+    return [w % 2**32 for w in quant.pack_rows(torch.tensor(codes)[:, None], 4)[:, 0].tolist()]
+
+
+@goes_on_with(_pack_nibbles, "quant.pack_rows")
+def check_pack_nibbles(fn: Callable[[list[int]], list[int]]) -> Callable:
     """Lab 07: fn(codes) packs 4-bit codes into 32-bit words, eight per word, code j of a word in bits 4j … 4j+3."""
     exercise = "exercise 07.2 (packing 4-bit codes)"
     g = torch.Generator().manual_seed(0)
     cases = [list(range(8)), [15] * 8, [0] * 16, torch.randint(0, 16, (32,), generator=g).tolist()]
     for codes in cases:
-        expected = [w % 2**32 for w in quant.pack_rows(torch.tensor(codes)[:, None], 4)[:, 0].tolist()]
+        expected = _pack_nibbles(codes)
         got = _call(exercise, fn, list(codes))
         if not isinstance(got, (list, tuple)) or len(got) != len(codes) // 8:
             raise CheckFailed(

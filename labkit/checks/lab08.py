@@ -7,10 +7,42 @@ from collections.abc import Callable
 import torch
 
 from labkit import lora
-from labkit.checks.core import CheckFailed, _call, _passed
+from labkit.checks.core import CheckFailed, _call, _passed, goes_on_with
 
 
-def check_lora_forward(fn: Callable[..., torch.Tensor]) -> str:
+def _adapted(
+    weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, alpha: float, r: int
+) -> lora.LoRALinear:
+    """labkit's LoRALinear holding these tensors: the reference behind both exercises."""
+    base = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    layer = lora.LoRALinear(base, r=r, alpha=alpha)
+    with torch.no_grad():
+        for param, value in ((base.weight, weight), (base.bias, bias), (layer.lora_A, a), (layer.lora_B, b)):
+            if param is not None:
+                param.copy_(value)
+    return layer
+
+
+def _lora_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    alpha: float,
+    r: int,
+) -> torch.Tensor:
+    """labkit's answer to exercise 08.1, in the exercise's signature."""
+    return _adapted(weight, bias, lora_A, lora_B, alpha, r)(x).detach()
+
+
+def _merge_lora(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, alpha: float, r: int) -> torch.Tensor:
+    """labkit's answer to exercise 08.2, in the exercise's signature."""
+    return _adapted(weight, None, lora_A, lora_B, alpha, r).merged().weight.detach()
+
+
+@goes_on_with(_lora_forward, "lora.LoRALinear")
+def check_lora_forward(fn: Callable[..., torch.Tensor]) -> Callable:
     """Lab 08: fn(x, weight, bias, lora_A, lora_B, alpha, r) = x Wᵀ + b + (alpha / r) · x Aᵀ Bᵀ."""
     exercise = "exercise 08.1 (the LoRA forward)"
     g = torch.Generator().manual_seed(0)
@@ -52,7 +84,8 @@ def check_lora_forward(fn: Callable[..., torch.Tensor]) -> str:
     return _passed(exercise, len(shapes))
 
 
-def check_lora_merge(fn: Callable[..., torch.Tensor]) -> str:
+@goes_on_with(_merge_lora, "lora.LoRALinear.merged")
+def check_lora_merge(fn: Callable[..., torch.Tensor]) -> Callable:
     """Lab 08: fn(weight, lora_A, lora_B, alpha, r) is the merged weight W + (alpha / r) · B A."""
     exercise = "exercise 08.2 (merging an adapter)"
     g = torch.Generator().manual_seed(1)
