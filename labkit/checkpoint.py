@@ -12,6 +12,8 @@ import json
 import random
 import re
 import shutil
+import subprocess
+import time
 import warnings
 from dataclasses import asdict
 from pathlib import Path
@@ -175,3 +177,32 @@ def load_checkpoint(
         scaler.load_state_dict(state["scaler"])
     _set_rng_state(load_file(str(path / "rng.safetensors")), state["rng"])
     return state
+
+
+def kill_when_logged(
+    cmd: list[str], log_path: str | Path, rows: int, timeout: float = 600.0, env: dict[str, str] | None = None
+) -> int:
+    """Run `cmd` (a training process writing one JSON line per step to `log_path`), SIGKILL it as soon as
+    `rows` steps are logged, and return how many were logged when it died: a crash at an arbitrary moment,
+    for showing that resume continues the same trajectory. A run that ends before the kill is an error."""
+    if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
+        raise ValueError(f"rows must be an int >= 1, got {rows!r}")
+    log = Path(log_path)
+
+    def logged() -> int:
+        return log.read_text(encoding="utf-8").count("\n") if log.exists() else 0
+
+    proc = subprocess.Popen(cmd, env=env)
+    deadline = time.monotonic() + timeout
+    try:
+        while logged() < rows:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the run ended (exit {proc.returncode}) after {logged()} steps, before the kill")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{rows} steps not logged within {timeout:.0f} s")
+            time.sleep(0.01)
+    finally:
+        if proc.poll() is None:
+            proc.kill()  # SIGKILL: no handler, no clean-up, as a crashed node or the OOM killer
+        proc.wait()
+    return logged()

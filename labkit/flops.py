@@ -58,6 +58,29 @@ def model_flops_per_token(model: nn.Module, seq_len: int, training: bool = True)
     return transformer_flops_per_token(matmul_parameters(model), cfg.num_hidden_layers, d_attn, seq_len, training)
 
 
+def step_memory_items(model: nn.Module, batch_size: int, seq_len: int) -> dict[str, int]:
+    """Bytes of what an fp32 AdamW training step holds besides the layers' activations: weights, gradients,
+    the two moments, and one fp32 copy of the logits [batch, seq, vocab]. With a large vocabulary and a small
+    model the logits are the largest item, and the loss's softmax and its gradient make more copies."""
+    if not (batch_size >= 1 and seq_len >= 1):
+        raise ValueError(f"need batch_size >= 1 and seq_len >= 1, got {batch_size}, {seq_len}")
+    params = {id(p): p for p in model.parameters()}.values()  # tied weights once
+    n, trainable = sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    return {
+        "weights": 4 * n,
+        "gradients": 4 * trainable,
+        "AdamW moments": 8 * trainable,
+        "logits (one fp32 copy)": 4 * batch_size * seq_len * vocab,
+    }
+
+
+def lm_head_share(model: nn.Module) -> float:
+    """The output layer's share of the weights every token is multiplied by (matmul_parameters): its share of
+    the 6N FLOPs of a training step."""
+    return model.get_output_embeddings().weight.numel() / matmul_parameters(model)
+
+
 # Dense peak throughput (FLOP/s) from vendor data sheets (without sparsity). SXM parts; PCIe
 # and NVL cards are lower, so a name match is approximate: the table says which part it assumes.
 PEAK_FLOPS: dict[str, dict[str, float]] = {

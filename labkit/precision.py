@@ -58,9 +58,10 @@ class Policy:
         runs outside autocast and does two thirds of the step's matmuls."""
         return tf32(self.tf32)
 
-    def scaler(self) -> torch.amp.GradScaler:
-        """A GradScaler, enabled only where the policy needs one (a disabled one is a no-op)."""
-        return torch.amp.GradScaler(self.device_type, enabled=self.use_scaler)
+    def scaler(self, growth_interval: int = 2000) -> torch.amp.GradScaler:
+        """A GradScaler, enabled only where the policy needs one (a disabled one is a no-op); it starts at 2^16
+        and doubles the scale after `growth_interval` steps without an overflow, torch's default being 2000."""
+        return torch.amp.GradScaler(self.device_type, growth_interval=growth_interval, enabled=self.use_scaler)
 
 
 @contextlib.contextmanager
@@ -138,11 +139,6 @@ def policy(mode: str, device: str | torch.device) -> Policy:
     cuda = dev.type == "cuda"
     if problem := cuda_problem(dev):
         raise ValueError(f"{problem}; use device 'cpu'")
-    if mode == "fp16" and not cuda:
-        raise ValueError(
-            "fp16 mixed precision with loss scaling is a GPU mode; on a CPU use 'bf16' (same range as fp32, "
-            "no loss scaler needed) or 'fp32'"
-        )
     if mode == "tf32" and not (cuda and torch.cuda.get_device_capability(dev)[0] >= 8):
         raise ValueError("TF32 needs an NVIDIA GPU of compute capability 8.0 (Ampere) or newer; use 'fp32' here")
     if mode == "bf16" and cuda and not native_bf16(dev):

@@ -46,6 +46,7 @@ class TrainConfig:
     grad_clip: float | None = 1.0  # None: report the norm, never clip
     accum_steps: int = 1
     precision: str = "fp32"
+    scale_growth_interval: int = 2000  # fp16: good steps before the loss scale doubles (torch's default)
     activation_checkpointing: bool = False
     compile: bool = False
     seed: int = 0
@@ -58,6 +59,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         counts = ("steps", "accum_steps", "warmup_steps", "checkpoint_every", "keep_checkpoints", "seed")
+        counts += ("scale_growth_interval",)
         for name in counts:
             if not is_int(getattr(self, name)):
                 raise TypeError(f"{name} must be an int, got {getattr(self, name)!r}")
@@ -90,6 +92,8 @@ class TrainConfig:
             raise ValueError(f"unknown precision {self.precision!r}; choose one of {precision.MODES}")
         if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
             raise ValueError("need checkpoint_every >= 0 and keep_checkpoints >= 1")
+        if self.scale_growth_interval < 1:
+            raise ValueError(f"scale_growth_interval must be >= 1, got {self.scale_growth_interval}")
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -215,6 +219,36 @@ def accumulate_gradients(
     return torch.stack(loss_sums).sum().item() / max(1, sum(counts)), sum(counts)
 
 
+def checkpointing_cost(
+    model: nn.Module, batch: dict[str, torch.Tensor], policy: precision.Policy, repeats: int = 3
+) -> dict[str, dict[str, float]]:
+    """Peak memory above the step's start and median seconds of one forward + backward with activation
+    checkpointing "off" and "on": the activations it does not keep, and the forward it recomputes for them.
+    The model's training mode and checkpointing setting are given back as they were."""
+    if not is_int(repeats) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    device, was_on, was_training = batch["input_ids"].device, activation_checkpointing(model), model.training
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        accumulate_gradients(model, [batch], policy)
+
+    cost = {}
+    try:
+        model.train()  # transformers recomputes only in training mode
+        for on in (False, True):
+            activation_checkpointing(model, on=on)
+            step()  # warm-up: allocations and the gradient buffers exist before the measured step
+            with bench.track_peak_memory(device) as mem:
+                step()
+            seconds = bench.time_fn(step, warmup=0, repeats=repeats, device=device).median
+            cost["on" if on else "off"] = {"peak_bytes": float(mem.delta_bytes), "seconds": seconds}
+    finally:
+        activation_checkpointing(model, on=was_on)
+        model.train(was_training)
+    return cost
+
+
 def _ddp_group(model: nn.Module) -> Any:
     """The process group DDP averages `model`'s gradients over; None when it is not DDP-wrapped."""
     module = getattr(model, "_orig_mod", model)  # under torch.compile
@@ -250,6 +284,7 @@ def train_step(
         "tokens": tokens,
         "grad_norm": norm.item(),
         "skipped": bool(scaler.is_enabled() and scaler.get_scale() < scale),
+        "loss_scale": scale if scaler.is_enabled() else None,  # the scale this step's backward used
     }
 
 
@@ -349,7 +384,7 @@ def _fit(model: nn.Module, loader: Iterable, cfg: TrainConfig, device: torch.dev
         step_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     step_model = torch.compile(step_model) if cfg.compile else step_model
     optimizer = make_optimizer(model, cfg)
-    scaler = policy.scaler()
+    scaler = policy.scaler(cfg.scale_growth_interval)
     start, data = 0, DataStream(loader)
     if cfg.checkpoint_dir and rank == 0:
         remove_unfinished(cfg.checkpoint_dir)  # what a kill during a save left behind

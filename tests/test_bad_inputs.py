@@ -74,7 +74,6 @@ CASES = [
     # precision
     ("policy-mode", lambda: precision.policy("fp8", "cpu"), ValueError, "unknown precision 'fp8'.*'fp32'"),
     ("policy-device", lambda: precision.policy("fp32", "gpu9"), ValueError, "device must be a torch device.*'gpu9'"),
-    ("policy-fp16-cpu", lambda: precision.policy("fp16", "cpu"), ValueError, "GPU mode.*'bf16'"),
     ("kept_fraction-scale", lambda: precision.kept_fraction(W, torch.float16, 0), ValueError, "scale must be a positive number"),
     ("kept_fraction-dtype", lambda: precision.kept_fraction(W, "float16"), TypeError, "dtype must be a torch floating-point dtype"),
     ("loss-scale-factors", lambda: precision.update_loss_scale(1.0, 0, False, 0.5), ValueError, "growth_factor > 1"),

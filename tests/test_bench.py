@@ -1,6 +1,7 @@
 """The measurement harness: median timing with sync, per-region peak memory, decode speed, JSON lines."""
 
 import json
+import mmap
 
 import numpy as np
 import pytest
@@ -66,10 +67,20 @@ def test_time_fn_rejects_bad_counts():
         bench.time_fn(lambda: None, warmup=-1)
 
 
+def _touch(mib: int) -> None:
+    """Make `mib` MiB of new pages resident, then give them back. An anonymous mmap, not np.ones: malloc may
+    serve a large array from memory the process freed earlier but still holds resident (after other tests in
+    the same worker), and then the resident set does not grow at all — what made these tests fail now and then."""
+    buf = mmap.mmap(-1, mib * 2**20)
+    pages = np.frombuffer(buf, dtype=np.uint8)
+    pages[:: mmap.PAGESIZE] = 1  # one write per page makes every page resident
+    del pages
+    buf.close()
+
+
 def test_peak_memory_sees_an_allocation_inside_the_region():
     with bench.track_peak_memory("cpu") as mem:
-        block = np.ones(200 * 2**20 // 8)  # 200 MiB, touched
-        del block
+        _touch(200)
     assert mem.kind in ("rss", "rss_since_process_start")
     if mem.kind == "rss":  # Linux: the counter is reset per region
         assert mem.delta_bytes >= 190 * 2**20
@@ -78,8 +89,7 @@ def test_peak_memory_sees_an_allocation_inside_the_region():
 
 def test_peak_memory_is_per_region_on_linux():
     with bench.track_peak_memory("cpu") as big:
-        block = np.ones(300 * 2**20 // 8)
-        del block
+        _touch(300)
     with bench.track_peak_memory("cpu") as small:
         pass
     if small.kind == "rss":
@@ -89,14 +99,10 @@ def test_peak_memory_is_per_region_on_linux():
 def test_nested_regions_keep_the_outer_peak():
     """An inner region resets the shared counter; the outer one must still report what came before it."""
     with bench.track_peak_memory("cpu") as outer:
-        block = np.ones(300 * 2**20 // 8)  # 300 MiB, touched, then freed
-        del block
-        bench.release_memory()
+        _touch(300)  # 300 MiB, touched, then freed
         with bench.track_peak_memory("cpu") as inner:
-            small = np.ones(20 * 2**20 // 8)
-            del small
-        after = np.ones(100 * 2**20 // 8)
-        del after
+            _touch(20)
+        _touch(100)
     if outer.kind == "rss":
         assert inner.delta_bytes < 100 * 2**20
         assert outer.delta_bytes >= 290 * 2**20  # without nesting: ~100 MiB, the peak after the inner reset

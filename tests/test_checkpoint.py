@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from labkit.checkpoint import checkpoints, latest_checkpoint, load_checkpoint, save_checkpoint
+from labkit.checkpoint import checkpoints, kill_when_logged, latest_checkpoint, load_checkpoint, save_checkpoint
 from labkit.models import tiny_gpt2
 from labkit.train import TrainConfig, make_optimizer
 from tests.permissions import UMASK_CASES, modes, umask
@@ -147,3 +147,28 @@ def test_checkpoints_get_the_modes_the_umask_gives(tmp_path, mask, file_mode, di
         f"{step}/trainer.json": file_mode,
         f"{step}/labkit-manifest.json": file_mode,
     }
+
+
+def _writer(tmp_path: Path, rows: int, delay: float) -> list[str]:
+    """A process that logs `rows` JSON lines, one every `delay` seconds."""
+    code = (
+        "import json, sys, time\n"
+        f"for i in range({rows}):\n"
+        f"    open(sys.argv[1], 'a').write(json.dumps({{'step': i + 1}}) + '\\n'); time.sleep({delay})\n"
+    )
+    return [sys.executable, "-c", code, str(tmp_path / "log.jsonl")]
+
+
+def test_kill_when_logged_kills_the_run_mid_way(tmp_path):
+    started = time.monotonic()
+    logged = kill_when_logged(_writer(tmp_path, 1000, 0.02), tmp_path / "log.jsonl", 5, timeout=60)
+    assert 5 <= logged < 1000 and time.monotonic() - started < 30
+    time.sleep(0.2)  # a killed writer writes no more
+    assert (tmp_path / "log.jsonl").read_text().count("\n") == logged
+
+
+def test_kill_when_logged_says_when_the_run_ended_first(tmp_path):
+    with pytest.raises(RuntimeError, match="ended .* after 2 steps, before the kill"):
+        kill_when_logged(_writer(tmp_path, 2, 0.0), tmp_path / "log.jsonl", 5, timeout=60)
+    with pytest.raises(ValueError, match="rows must be"):
+        kill_when_logged(["true"], tmp_path / "x", 0)

@@ -45,6 +45,22 @@ def test_the_package_re_exports_every_check_of_every_lab():
     labs = [importlib.import_module(f"labkit.checks.lab{n:02d}") for n in range(9)]
     defined = {name: getattr(lab, name) for lab in labs for name in vars(lab) if name.startswith("check_")}
     assert len(defined) == 18  # two exercises in each of labs 00 to 08
-    assert sorted(checks.__all__) == sorted([*defined, "CheckFailed"])
+    assert sorted(checks.__all__) == sorted([*defined, "CheckFailed", "reveal"])
     assert all(getattr(checks, name) is fn for name, fn in defined.items())
     assert checks.CheckFailed is core.CheckFailed and issubclass(checks.CheckFailed, AssertionError)
+
+
+@pytest.mark.parametrize(
+    "prediction, says",
+    [
+        (None, "measured 0.36. You wrote no prediction"),
+        (0.01, "you predicted 0.01, measured 0.36: too low (a factor 36)"),
+        (1.0, "you predicted 1, measured 0.36: too high (a factor 2.8)"),
+        (0.3, "you predicted 0.3, measured 0.36: close (a factor 1.2)"),
+        ("linear", "you predicted 'linear', measured 0.36."),
+        (-1, "you predicted -1, measured 0.36."),
+    ],
+)
+def test_reveal_puts_the_prediction_beside_the_measurement(prediction, says, capsys):
+    line = checks.reveal("relative error", prediction, 0.36)
+    assert says in line and capsys.readouterr().out == line + "\n"

@@ -40,7 +40,7 @@ def test_lr_at_check_passes_the_reference():
     [
         (lambda *a: lab03._cosine(*a, warmup_from_zero=True), "step 0 already trains"),
         (lambda *a: lab03._cosine(*a, floor=0.0), "decay to min_lr, not to 0"),
-        (lambda *a: lab03._cosine(*a, span_offset=0), "the last step must reach min_lr"),
+        (lambda *a: lab03._cosine(*a, span_offset=0), "the last step is exactly min_lr"),
         (lambda step, steps, w, lr, mn: lr, "linear warm-up to lr, then"),
     ],
 )

@@ -137,3 +137,21 @@ def test_copy_bandwidth_and_matmul_on_gpu():
     assert pinned["bytes_per_s"] > 1e8
     r = flops.matmul_throughput(1024, "bf16", device="cuda", warmup=1, repeats=3)
     assert r["fraction_of_peak"] is None or 0 < r["fraction_of_peak"] < 1.05
+
+
+def test_step_memory_items_and_lm_head_share_by_hand():
+    from labkit.models import tiny_llama
+
+    model = tiny_llama()  # vocab 512, width 64, 2 layers, 4 heads of 16 (2 for k/v), MLP 128, tied head
+    layer = 64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128  # q, o; k, v; gate, up, down
+    params = 512 * 64 + 2 * (layer + 2 * 64) + 64  # embedding (= head), layers with their 2 norms, final norm
+    items = flops.step_memory_items(model, batch_size=2, seq_len=8)
+    assert items == {
+        "weights": 4 * params,
+        "gradients": 4 * params,
+        "AdamW moments": 8 * params,
+        "logits (one fp32 copy)": 4 * 2 * 8 * 512,
+    }
+    assert flops.lm_head_share(model) == pytest.approx(512 * 64 / (512 * 64 + 2 * layer))
+    with pytest.raises(ValueError, match="batch_size >= 1"):
+        flops.step_memory_items(model, 0, 8)

@@ -21,6 +21,7 @@ from labkit.train import (
     TrainConfig,
     accumulate_gradients,
     as_batch,
+    checkpointing_cost,
     fit,
     loss_sum,
     lr_at,
@@ -369,7 +370,7 @@ def test_compiled_model_trains_like_eager(data):
 
 
 def test_loss_scaler_skips_an_overflowing_step_instead_of_failing():
-    # fp16 autocast is a GPU mode; the scaler's skip logic is the same on CPU, so test it there.
+    # the scaler's skip logic without autocast: an inf planted in the weights overflows whatever the scale
     scaled = precision.Policy(mode="fp16", device_type="cpu", autocast_dtype=None, use_scaler=True, tf32=False)
     model = tiny_llama()
     opt = make_optimizer(model, TrainConfig(steps=1))
@@ -381,3 +382,48 @@ def test_loss_scaler_skips_an_overflowing_step_instead_of_failing():
     metrics = train_step(model, opt, [batch], scaled, scaler, grad_clip=1.0)
     assert metrics["skipped"] and scaler.get_scale() < 2.0**16
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the step was skipped
+
+
+def test_checkpointing_cost_measures_both_settings_and_gives_the_model_back():
+    from labkit.torchutil import activation_checkpointing
+
+    model = tiny_llama(vocab_size=128, num_layers=2).eval()
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    batch = as_batch((ids, ids), torch.device("cpu"))
+    fp32 = precision.policy("fp32", "cpu")
+    cost = checkpointing_cost(model, batch, fp32, repeats=2)
+    assert set(cost) == {"off", "on"} and all(c["seconds"] > 0 and c["peak_bytes"] >= 0 for c in cost.values())
+    assert not model.training and not activation_checkpointing(model)
+    with pytest.raises(ValueError, match="repeats"):
+        checkpointing_cost(model, batch, fp32, repeats=0)
+
+
+def test_activation_checkpointing_recomputes_the_same_gradients():
+    """What the lab's memory-for-time trade rests on: recomputing activations changes no gradient."""
+    from labkit.torchutil import activation_checkpointing
+
+    model = tiny_llama(vocab_size=128, num_layers=2).train()
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for on in (False, True):
+        activation_checkpointing(model, on=on)
+        model.zero_grad(set_to_none=True)
+        accumulate_gradients(model, [as_batch((ids, ids), torch.device("cpu"))], precision.policy("fp32", "cpu"))
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_an_fp16_run_logs_loss_scales_that_follow_the_scaler_rule(data):
+    """fp16 with dynamic loss scaling on a CPU: each step's logged scale is the previous one updated by the
+    rule (precision.update_loss_scale, itself tested against torch's kernel) from whether that step overflowed."""
+    cfg = TrainConfig(steps=12, lr=1e-2, precision="fp16", scale_growth_interval=2, progress=False)
+    history = fit(tiny_llama(vocab_size=128), shards.make_loader(data, 16, 4), cfg)
+    scales = [h["loss_scale"] for h in history]
+    assert scales[0] == 2.0**16 and all(math.isfinite(h["loss"]) for h in history)
+    good = 0
+    for before, after, h in zip(scales, scales[1:], history):
+        expected, good = precision.update_loss_scale(before, good, h["skipped"], 2.0, 0.5, 2)
+        assert after == expected
+    assert len(set(scales)) > 1  # the scale moved: it grew every two clean steps or backed off
+    with pytest.raises(ValueError, match="scale_growth_interval"):
+        TrainConfig(steps=1, scale_growth_interval=0)

@@ -6,10 +6,11 @@ expected, what came back, and a hint. A function that still raises NotImplemente
 the student build) gets a message saying which exercise is left, not a traceback.
 
 One module per lab (`lab00` … `lab08`), each importing only the labkit modules its checks compare with,
-and `core` for what they share. The notebooks call every check as `checks.check_...`: re-exported here.
+and `core` for what they share. The notebooks call every check as `checks.check_...`, and `checks.reveal` after a
+measurement the student was asked to predict: re-exported here.
 """
 
-from labkit.checks.core import CheckFailed
+from labkit.checks.core import CheckFailed, reveal
 from labkit.checks.lab00 import check_median_time, check_windows
 from labkit.checks.lab01 import check_merge_pair, check_pack_blocks
 from labkit.checks.lab02 import check_kept_fraction, check_update_loss_scale
@@ -22,6 +23,7 @@ from labkit.checks.lab08 import check_lora_forward, check_lora_merge
 
 __all__ = [
     "CheckFailed",
+    "reveal",
     "check_median_time",
     "check_windows",
     "check_merge_pair",

@@ -60,12 +60,13 @@ def check_lr_at(fn: Callable[[int, int, int, float, float], float]) -> Callable:
     exercise = "exercise 03.2 (warm-up and cosine decay)"
     configs = [(10, 3, 1e-3, 1e-4), (100, 10, 2e-3, 1e-4), (5, 0, 1.0, 0.5), (4, 4, 1.0, 0.1)]
     mistakes = {
-        "warm up so that step 0 already trains: lr · (step + 1) / warmup_steps, which reaches lr at "
-        "the last warm-up step": {"warmup_from_zero": True},
-        "decay to min_lr, not to 0": {"floor": 0.0},
-        "the last step must reach min_lr: progress = (step − warmup_steps) / (steps − warmup_steps − 1)": {
-            "span_offset": 0
+        "a convention, not an error, but this exercise's: step 0 already trains, lr · (step + 1) / "
+        "warmup_steps, reaching lr at the last warm-up step (transformers' schedulers start at 0)": {
+            "warmup_from_zero": True
         },
+        "decay to min_lr, not to 0 (this exercise's floor; transformers' cosine goes to 0)": {"floor": 0.0},
+        "a convention, not an error, but this exercise's: the last step is exactly min_lr, progress = "
+        "(step − warmup_steps) / (steps − warmup_steps − 1)": {"span_offset": 0},
     }
     for steps, warmup, lr, min_lr in configs:
         expected = [_lr_at_step(step, steps, warmup, lr, min_lr) for step in range(steps)]
