@@ -11,9 +11,11 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -248,3 +250,18 @@ def loader_throughput(loader: DataLoader, batches: int, device: str | torch.devi
             y = y.to(dev, non_blocking=True)
             tokens += x.numel()
     return {"tokens": tokens, "seconds": elapsed.seconds, "tokens_per_s": tokens / elapsed.seconds}
+
+
+class PacedLoader:
+    """A loader whose batches each take at least `delay` seconds more: a slow input pipeline on purpose, or time
+    for a test or a lab to kill a run mid-way however fast a step is. The batches are the loader's, unchanged."""
+
+    def __init__(self, loader: Any, delay: float) -> None:
+        if not (isinstance(delay, (int, float)) and delay >= 0):
+            raise ValueError(f"delay must be a number of seconds >= 0, got {delay!r}")
+        self.loader, self.sampler, self.delay = loader, getattr(loader, "sampler", None), delay
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self.loader:
+            time.sleep(self.delay)
+            yield batch

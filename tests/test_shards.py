@@ -144,3 +144,14 @@ def test_shards_get_the_modes_the_umask_gives(tmp_path, mask, file_mode, dir_mod
     with umask(mask):
         shards.write_shard(tmp_path / "data" / "s0", np.arange(10), vocab_size=300, tokenizer="t")
     assert modes(tmp_path / "data") == {".": dir_mode, "s0.bin": file_mode, "s0.json": file_mode}
+
+
+def test_paced_loader_yields_the_same_batches_each_at_least_delay_apart():
+    import time
+
+    batches = [torch.arange(3), torch.arange(3, 6)]
+    started = time.perf_counter()
+    assert [b.tolist() for b in shards.PacedLoader(batches, 0.05)] == [[0, 1, 2], [3, 4, 5]]
+    assert time.perf_counter() - started >= 0.1
+    with pytest.raises(ValueError, match="delay must be"):
+        shards.PacedLoader(batches, -1)

@@ -7,7 +7,6 @@ uninterrupted run.
 
 import argparse
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -15,18 +14,6 @@ import torch
 from labkit import bench, profiles, shards
 from labkit.models import lab_llama
 from labkit.train import TrainConfig, fit
-
-
-class Paced:
-    """A loader whose batches take at least `delay` seconds, so that a kill lands mid-run however fast a step is."""
-
-    def __init__(self, loader, delay: float):
-        self.loader, self.sampler, self.delay = loader, loader.sampler, delay
-
-    def __iter__(self):
-        for batch in self.loader:
-            time.sleep(self.delay)
-            yield batch
 
 
 def main() -> None:
@@ -58,9 +45,8 @@ def main() -> None:
         log_path=args.log,
         progress=False,
     )
-    fit(
-        lab_llama(args.vocab_size, profile, seed=1).to(device), Paced(loader, args.delay) if args.delay else loader, cfg
-    )
+    model = lab_llama(args.vocab_size, profile, seed=1).to(device)
+    fit(model, shards.PacedLoader(loader, args.delay) if args.delay else loader, cfg)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ python tests/scripts/train_tiny.py WORKDIR LOG [--steps N] [--delay SECONDS]
 """
 
 import argparse
-import time
 from pathlib import Path
 
 import numpy as np
@@ -12,18 +11,6 @@ import numpy as np
 from labkit import shards
 from labkit.models import tiny_gpt2
 from labkit.train import TrainConfig, fit
-
-
-class Slow:
-    """Wraps a loader so each batch takes `delay` seconds: time for the test to kill the run mid-way."""
-
-    def __init__(self, loader, delay):
-        self.loader, self.sampler, self.delay = loader, loader.sampler, delay
-
-    def __iter__(self):
-        for batch in self.loader:
-            time.sleep(self.delay)
-            yield batch
 
 
 def main() -> None:
@@ -38,7 +25,7 @@ def main() -> None:
     if not paths:
         stream = np.random.default_rng(0).integers(0, 128, size=6000)
         paths = shards.write_shards(stream, work / "data", 2000, vocab_size=128, tokenizer="synthetic")
-    loader = Slow(shards.make_loader(paths, block_size=16, batch_size=4, seed=1), args.delay)
+    loader = shards.PacedLoader(shards.make_loader(paths, block_size=16, batch_size=4, seed=1), args.delay)
     model = tiny_gpt2(vocab_size=128, hidden_size=32, num_layers=2, num_heads=2, seed=0)
     cfg = TrainConfig(
         steps=args.steps,
