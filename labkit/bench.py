@@ -283,6 +283,35 @@ def track_peak_memory(device: str | torch.device | None = None) -> Iterator[Peak
                 outer.peak_bytes = max(outer.peak_bytes, result.peak_bytes)
 
 
+@dataclass
+class SavedTensors:
+    """What autograd saved for the backward inside a `saved_for_backward` block."""
+
+    bytes: int = 0  # each storage once
+    tensors: int = 0
+
+
+@contextlib.contextmanager
+def saved_for_backward(exclude: nn.Module | None = None) -> Iterator[SavedTensors]:
+    """Count the tensors autograd saves for the backward inside the block, each storage once, leaving out
+    `exclude`'s parameters: the activation memory a forward leaves for its backward. Exact on any device, where
+    the resident set of a CPU process cannot tell reused memory from new."""
+    skip = {p.untyped_storage().data_ptr() for p in exclude.parameters()} if exclude is not None else set()
+    storages: dict[int, int] = {}
+    result = SavedTensors()
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in skip:
+            storages[storage.data_ptr()] = storage.nbytes()
+        result.tensors += 1
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield result
+    result.bytes = sum(storages.values())
+
+
 def memory_in_use(device: str | torch.device | None = None) -> int:
     """Bytes in use now: the CUDA allocator's on a GPU, the resident set on a CPU (Linux; 0 elsewhere)."""
     dev = as_device(device)

@@ -222,9 +222,9 @@ def accumulate_gradients(
 def checkpointing_cost(
     model: nn.Module, batch: dict[str, torch.Tensor], policy: precision.Policy, repeats: int = 3
 ) -> dict[str, dict[str, float]]:
-    """Peak memory above the step's start and median seconds of one forward + backward with activation
-    checkpointing "off" and "on": the activations it does not keep, and the forward it recomputes for them.
-    The model's training mode and checkpointing setting are given back as they were."""
+    """What activation checkpointing "off" and "on" cost one forward + backward: the bytes autograd saves for
+    the backward (the activations, exact on any device), the peak memory above the step's start, and the median
+    seconds. The model's training mode and checkpointing setting are given back as they were."""
     if not is_int(repeats) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
     device, was_on, was_training = batch["input_ids"].device, activation_checkpointing(model), model.training
@@ -238,11 +238,18 @@ def checkpointing_cost(
         model.train()  # transformers recomputes only in training mode
         for on in (False, True):
             activation_checkpointing(model, on=on)
+            with bench.saved_for_backward(exclude=model) as saved:
+                loss = loss_sum(model, batch, policy)
+            del loss  # the graph and what it saved are freed here
             step()  # warm-up: allocations and the gradient buffers exist before the measured step
             with bench.track_peak_memory(device) as mem:
                 step()
             seconds = bench.time_fn(step, warmup=0, repeats=repeats, device=device).median
-            cost["on" if on else "off"] = {"peak_bytes": float(mem.delta_bytes), "seconds": seconds}
+            cost["on" if on else "off"] = {
+                "saved_bytes": float(saved.bytes),
+                "peak_bytes": float(mem.delta_bytes),
+                "seconds": seconds,
+            }
     finally:
         activation_checkpointing(model, on=was_on)
         model.train(was_training)
@@ -286,6 +293,16 @@ def train_step(
         "skipped": bool(scaler.is_enabled() and scaler.get_scale() < scale),
         "loss_scale": scale if scaler.is_enabled() else None,  # the scale this step's backward used
     }
+
+
+def step_seconds(model: nn.Module, batch: dict[str, torch.Tensor], mode: str, repeats: int = 2) -> float:
+    """Median seconds of one optimizer step (forward, backward, AdamW) in precision `mode` after a warm-up step:
+    a probe before committing to a long run in a mode that this device may only emulate. The model is trained."""
+    device = batch["input_ids"].device
+    policy = precision.policy(mode, device)
+    optimizer, scaler = make_optimizer(model, TrainConfig(steps=1)), policy.scaler()
+    step = lambda: train_step(model, optimizer, [batch], policy, scaler, grad_clip=1.0)  # noqa: E731
+    return bench.time_fn(step, warmup=1, repeats=repeats, device=device).median
 
 
 # ----------------------------------------------------------------------------- data position

@@ -167,3 +167,16 @@ def test_cuda_peak_memory_counts_an_allocation():
         x = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
         del x
     assert mem.kind == "cuda_allocated" and mem.delta_bytes >= 64 * 2**20
+
+
+def test_saved_for_backward_counts_each_saved_activation_once_without_the_weights():
+    a = torch.randn(1000, requires_grad=True)
+    with bench.saved_for_backward() as saved:
+        b = a.exp()  # exp saves its result (its own derivative): 1000 fp32 numbers
+        (b.sum() + b.exp().sum() + b.exp().sum()).backward()  # two more exps of b: two more results saved
+    assert (saved.bytes, saved.tensors) == (3 * 4000, 3)  # sums save no tensor
+    layer = torch.nn.Linear(10, 5)
+    x = torch.randn(3, 10)
+    with bench.saved_for_backward(exclude=layer) as saved:
+        layer(x).sum().backward()  # linear saves its input (3 × 10 fp32) and its weight, a parameter
+    assert saved.bytes == 3 * 10 * 4

@@ -64,3 +64,9 @@ def test_the_package_re_exports_every_check_of_every_lab():
 def test_reveal_puts_the_prediction_beside_the_measurement(prediction, says, capsys):
     line = checks.reveal("relative error", prediction, 0.36)
     assert says in line and capsys.readouterr().out == line + "\n"
+
+
+def test_reveal_shows_an_answer_that_is_not_a_number():
+    assert checks.reveal("the largest item", "optimizer state", "logits").endswith(
+        "you predicted 'optimizer state', measured logits."
+    )

@@ -26,6 +26,7 @@ from labkit.train import (
     loss_sum,
     lr_at,
     make_optimizer,
+    step_seconds,
     train_step,
 )
 from tests.numerics import FLOAT64
@@ -427,3 +428,13 @@ def test_an_fp16_run_logs_loss_scales_that_follow_the_scaler_rule(data):
     assert len(set(scales)) > 1  # the scale moved: it grew every two clean steps or backed off
     with pytest.raises(ValueError, match="scale_growth_interval"):
         TrainConfig(steps=1, scale_growth_interval=0)
+
+
+def test_step_seconds_times_real_steps_in_a_mode():
+    model = tiny_llama(vocab_size=128)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    before = [p.detach().clone() for p in model.parameters()]
+    assert step_seconds(model, as_batch((ids, ids), CPU), "bf16", repeats=1) > 0
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # it trained
+    with pytest.raises(ValueError, match="TF32 needs"):
+        step_seconds(model, as_batch((ids, ids), CPU), "tf32")

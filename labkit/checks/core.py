@@ -55,13 +55,19 @@ def goes_on_with(
     return decorate
 
 
-def reveal(what: str, prediction: Any, measured: float, unit: str = "") -> str:
+def reveal(what: str, prediction: Any, measured: Any, unit: str = "") -> str:
     """Print the student's prediction (written before the measurement ran) next to what was measured, with the
     factor between them for a number; a prediction left as None is asked for next time, never filled in."""
-    shown = f"{measured:.3g}{unit}"
+    number = isinstance(measured, (int, float)) and not isinstance(measured, bool)
+    shown = f"{measured:.3g}{unit}" if number else f"{measured}{unit}"
     if prediction is None:
         line = f"{what}: measured {shown}. You wrote no prediction: next time, guess first; the gap is the lesson."
-    elif isinstance(prediction, (int, float)) and not isinstance(prediction, bool) and prediction > 0 < measured:
+    elif (
+        number
+        and isinstance(prediction, (int, float))
+        and not isinstance(prediction, bool)
+        and prediction > 0 < measured
+    ):
         factor = max(prediction, measured) / min(prediction, measured)
         side = "close" if factor < 1.5 else ("too high" if prediction > measured else "too low")
         line = f"{what}: you predicted {prediction:.3g}{unit}, measured {shown}: {side} (a factor {factor:.2g})."
