@@ -227,3 +227,17 @@ def copy_bandwidth(
         **timing.summary(),
         "bytes_per_s": n / timing.median,
     }
+
+
+def memory_bandwidth(
+    megabytes: int = 256, *, device: str | torch.device | None = None, warmup: int = 2, repeats: int = 5
+) -> dict[str, Any]:
+    """The device's own memory bandwidth (bytes/s): a copy of `megabytes` within it reads and writes each byte once.
+    It sets the floor of a decode step, which reads every weight for one token: weight bytes / bandwidth."""
+    if not (isinstance(megabytes, int) and not isinstance(megabytes, bool) and megabytes >= 1):
+        raise ValueError(f"megabytes must be an int >= 1, got {megabytes!r}")
+    dev = as_device(device)
+    n = megabytes * 2**20
+    src, dst = torch.ones(n, dtype=torch.uint8, device=dev), torch.empty(n, dtype=torch.uint8, device=dev)
+    timing = time_fn(lambda: dst.copy_(src), warmup=warmup, repeats=repeats, device=dev)
+    return {"megabytes": megabytes, **timing.summary(), "bytes_per_s": 2 * n / timing.median}

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from labkit import flops
+from labkit import bench, flops
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -155,3 +155,18 @@ def test_step_memory_items_and_lm_head_share_by_hand():
     assert flops.lm_head_share(model) == pytest.approx(512 * 64 / (512 * 64 + 2 * layer))
     with pytest.raises(ValueError, match="batch_size >= 1"):
         flops.step_memory_items(model, 0, 8)
+
+
+def test_memory_bandwidth_counts_a_read_and_a_write_per_byte(monkeypatch):
+    timings = []
+
+    def fake_time_fn(fn, **kwargs):  # the copy runs once, then takes 0.5 s by decree
+        fn()
+        timings.append(kwargs)
+        return bench.time_fn(lambda: None, warmup=0, repeats=1, clock=iter([0.0, 0.5]).__next__)
+
+    monkeypatch.setattr(flops, "time_fn", fake_time_fn)
+    result = flops.memory_bandwidth(8, device="cpu", repeats=3)
+    assert result["bytes_per_s"] == 2 * 8 * 2**20 / 0.5 and timings[0]["repeats"] == 3
+    with pytest.raises(ValueError, match="megabytes must be"):
+        flops.memory_bandwidth(0)
