@@ -58,6 +58,11 @@ def test_the_student_build_covers_every_lab_and_clears_outputs(tmp_path):
         code = [c for c in nb.cells if c.cell_type == "code"]
         assert all(c.outputs == [] and c.execution_count is None for c in code)
         assert not any(student.BEGIN in c.source or student.END in c.source for c in code)
+        assert not any(student.HIDDEN in c.metadata.get("tags", []) for c in nb.cells)
+        solved = nbformat.read(str(LABS / name), as_version=4)
+        hidden = [c for c in solved.cells if student.HIDDEN in c.metadata.get("tags", [])]
+        assert hidden and all(c.cell_type == "markdown" for c in hidden)  # every lab's reference figures, no code
+        assert len(nb.cells) == len(solved.cells) - len(hidden)
 
 
 def test_a_failed_build_leaves_the_previous_one(tmp_path):
