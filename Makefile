@@ -55,9 +55,9 @@ lab-solutions: prepare
 # thread each the whole suite took 13). Where the time went is written to tests/durations.txt.
 # The notebooks run are the student build (exercises unwritten, each check going on with labkit's
 # reference) with the committed outputs kept for nbval's tagged cells: Run All must reach the end of
-# every lab as students get it. The solutions themselves are run against their checks in test_student.py.
+# every lab as students get it (written atomically: it replaces the last build whole). The solutions
+# themselves are run against their checks in test_student.py.
 test: prepare lint
-	rm -rf build/test-labs
 	$(RUN) $(PY) -m labkit student --labs labs --keep-outputs --output build/test-labs
 	$(RUN) LABKIT_PROFILE=smoke HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 GPTQMODEL_OFFLINE=$(GPTQMODEL_OFFLINE) \
 	  LABKIT_DURATIONS=tests/durations.txt $(if $(filter 0,$(TEST_WORKERS)),,OMP_NUM_THREADS=1) \

@@ -64,7 +64,7 @@ def step_memory_items(model: nn.Module, batch_size: int, seq_len: int) -> dict[s
     model the logits are the largest item, and the loss's softmax and its gradient make more copies."""
     if not (batch_size >= 1 and seq_len >= 1):
         raise ValueError(f"need batch_size >= 1 and seq_len >= 1, got {batch_size}, {seq_len}")
-    params = {id(p): p for p in model.parameters()}.values()  # tied weights once
+    params = list(model.parameters())  # a tied weight is yielded once
     n, trainable = sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
     vocab = model.get_output_embeddings().weight.shape[0]
     return {

@@ -121,24 +121,24 @@ def workspace(labs: str | Path, dest: str | Path, solutions: bool = False) -> di
     report = {}
     for path in _notebooks(labs):
         text = path.read_text() if solutions else nbformat.writes(student_notebook(path)[0])
-        copy = dest / path.name
-        if not copy.exists():
+        copy, new = dest / path.name, _digest(text)
+        current = _digest(copy.read_text()) if copy.exists() else None
+        if current is None:
             report[path.name] = "written"
-        elif _digest(copy.read_text()) == _digest(text):
+        elif current == new:
             report[path.name] = "up to date"
             continue
-        elif _digest(copy.read_text()) == written.get(path.name):  # the course changed, the student did not
+        elif current == written.get(path.name):  # the course changed, the student did not
             report[path.name] = "updated to the course's new version"
         else:
-            newer = written.get(path.name) != _digest(text)
             report[path.name] = "kept as you left it" + (
                 f" (the course's version differs: rename yours, e.g. to {path.stem}.mine.ipynb, to get it)"
-                if newer
+                if written.get(path.name) != new
                 else ""
             )
             continue
         assets.atomic_write_text(copy, text)
-        written[path.name] = _digest(text)
+        written[path.name] = new
     _copy_scripts(labs, dest)
     assets.atomic_write_text(manifest_path, json.dumps(written, indent=1, sort_keys=True))
     return report
