@@ -37,6 +37,53 @@ def test_mlp_channel_pruning_keeps_the_channels_with_the_largest_norms():
     torch.testing.assert_close(model.model.layers[0].mlp.up_proj.weight, mlp.up_proj.weight[keep])
 
 
+def _written_output_by_hand(model, ids):
+    """‖W_down[:, c]‖ · ‖silu(gate x) · up x‖ over the tokens, per channel, from each MLP's input."""
+    inputs = []
+    hooks = [layer.mlp.register_forward_pre_hook(lambda m, a: inputs.append(a[0])) for layer in model.model.layers]
+    _logits(model, ids)
+    for h in hooks:
+        h.remove()
+    scores = []
+    for layer, x in zip(model.model.layers, inputs):
+        mlp = layer.mlp
+        hidden = torch.nn.functional.silu(x @ mlp.gate_proj.weight.T) * (x @ mlp.up_proj.weight.T)
+        scores.append(mlp.down_proj.weight.norm(dim=0) * hidden.flatten(0, 1).norm(dim=0))
+    return scores
+
+
+def test_activation_importance_keeps_the_channels_that_write_most_on_calibration_text():
+    model, reference = _model(), _model()
+    structured.prune_mlp_channels(model, 0.5, importance="activation", calibration=[IDS[:1], IDS[1:]])
+    with torch.no_grad():
+        scores = _written_output_by_hand(reference, IDS)
+    for layer, ref, score in zip(model.model.layers, reference.model.layers, scores):
+        keep = score.topk(64).indices.sort().values
+        torch.testing.assert_close(layer.mlp.up_proj.weight, ref.mlp.up_proj.weight[keep], rtol=0, atol=0)
+        torch.testing.assert_close(layer.mlp.down_proj.weight, ref.mlp.down_proj.weight[:, keep], rtol=0, atol=0)
+    magnitude = _model()
+    structured.prune_mlp_channels(magnitude, 0.5)
+    assert not torch.equal(magnitude.model.layers[0].mlp.up_proj.weight, model.model.layers[0].mlp.up_proj.weight)
+
+
+def test_activation_importance_keeps_the_heads_that_write_most():
+    model, reference = _model(), _model()
+    captured = {}
+    for i, layer in enumerate(reference.model.layers):
+        layer.self_attn.o_proj.register_forward_hook(lambda m, a, out, i=i: captured.__setitem__(i, a[0]))
+    _logits(reference, IDS)
+    structured.prune_attention_heads(model, 2, importance="activation", calibration=[IDS])
+    for i, layer in enumerate(reference.model.layers):
+        o = layer.self_attn.o_proj.weight.detach()
+        per_column = o.pow(2).sum(0) * captured[i].flatten(0, 1).pow(2).sum(0)
+        head = per_column.view(4, 16).sum(1).view(2, 2)  # 2 key/value groups of 2 query heads
+        kept = head.argmax(1) + torch.tensor([0, 2])
+        rows = (kept[:, None] * 16 + torch.arange(16)).flatten()
+        q = layer.self_attn.q_proj.weight[rows]
+        torch.testing.assert_close(model.model.layers[i].self_attn.q_proj.weight, q, rtol=0, atol=0)
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_taylor_importance_uses_calibration_gradients_and_clears_them():
     model = _model()
     shapes = structured.prune_mlp_channels(model, 0.25, importance="taylor", calibration=[IDS])
@@ -96,6 +143,8 @@ def test_bad_importance_is_refused_and_changes_nothing():
     state = _state(model)
     with pytest.raises(ValueError, match="needs calibration batches"):
         structured.prune_mlp_channels(model, 0.25, importance="taylor")
+    with pytest.raises(ValueError, match="activation importance needs calibration batches"):
+        structured.prune_attention_heads(model, 2, importance="activation", calibration=[])
     with pytest.raises(ValueError, match="importance must be one of"):
         structured.prune_attention_heads(model, 2, importance="random")
     assert _unchanged(model, state)

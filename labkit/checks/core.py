@@ -55,9 +55,10 @@ def goes_on_with(
     return decorate
 
 
-def reveal(what: str, prediction: Any, measured: Any, unit: str = "") -> str:
+def reveal(what: str, prediction: Any, measured: Any, unit: str = "") -> None:
     """Print the student's prediction (written before the measurement ran) next to what was measured, with the
-    factor between them for a number; a prediction left as None is asked for next time, never filled in."""
+    factor between them for a number; a prediction left as None is asked for next time, never filled in. Returns
+    nothing, so that a notebook cell ending with it shows the line once."""
     number = isinstance(measured, (int, float)) and not isinstance(measured, bool)
     shown = f"{measured:.3g}{unit}" if number else f"{measured}{unit}"
     if prediction is None:
@@ -74,7 +75,6 @@ def reveal(what: str, prediction: Any, measured: Any, unit: str = "") -> str:
     else:
         line = f"{what}: you predicted {prediction!r}, measured {shown}."
     print(line)
-    return line
 
 
 def _rows(got: Any, kind: type) -> Any:

@@ -51,21 +51,45 @@ def model_shapes(model: nn.Module) -> dict[str, int]:
     }
 
 
-IMPORTANCES = ("magnitude", "taylor")
+IMPORTANCES = ("magnitude", "activation", "taylor")
 
 
 def _check_importance(importance: str, calibration: Sequence[torch.Tensor] | None) -> None:
     if importance not in IMPORTANCES:
         raise ValueError(f"importance must be one of {IMPORTANCES}, got {importance!r}")
-    if importance == "taylor" and not calibration:
-        raise ValueError("taylor importance needs calibration batches: a list of input_ids tensors")
+    if importance != "magnitude" and not calibration:
+        raise ValueError(f"{importance} importance needs calibration batches: a list of input_ids tensors")
+
+
+def _input_norms(model: nn.Module, linears: Sequence[nn.Linear], calibration: Sequence[torch.Tensor]) -> dict:
+    """The L2 norm of each input column of `linears` over every calibration token (no gradients)."""
+    sums = {m: torch.zeros(m.in_features, dtype=torch.float64, device=m.weight.device) for m in linears}
+
+    def accumulate(module: nn.Module, args: tuple) -> None:
+        sums[module] += args[0].detach().double().pow(2).flatten(0, -2).sum(0)
+
+    handles = [m.register_forward_pre_hook(accumulate) for m in linears]
+    device = next(model.parameters()).device
+    try:
+        with eval_mode(model), torch.inference_mode():
+            for ids in calibration:
+                model(input_ids=ids.to(device))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {m: s.sqrt().float() for m, s in sums.items()}
 
 
 @contextlib.contextmanager
-def _importance_grads(model: nn.Module, importance: str, calibration: Sequence[torch.Tensor] | None) -> Iterator[None]:
-    """For "taylor", fill .grad with the mean loss gradient over the calibration batches, cleared afterwards."""
+def _calibrated(model: nn.Module, importance: str, calibration: Sequence[torch.Tensor] | None) -> Iterator[dict]:
+    """Run the calibration an importance needs: "taylor" fills .grad with the mean loss gradient (cleared
+    afterwards); "activation" yields the input norms of every down_proj and o_proj column."""
     if importance == "magnitude":
-        yield
+        yield {}
+        return
+    if importance == "activation":
+        layers = _llama_layers(model)
+        yield _input_norms(model, [m for x in layers for m in (x.mlp.down_proj, x.self_attn.o_proj)], calibration)
         return
     device = next(model.parameters()).device
     model.zero_grad(set_to_none=True)
@@ -74,9 +98,27 @@ def _importance_grads(model: nn.Module, importance: str, calibration: Sequence[t
             for ids in calibration:
                 ids = ids.to(device)
                 (model(input_ids=ids, labels=ids).loss / len(calibration)).backward()
-            yield
+            yield {}
         finally:
             model.zero_grad(set_to_none=True)
+
+
+class _WrittenOutput(tp.importance.Importance):
+    """Channel c scores ‖W_down[:, c]‖ · ‖X_c‖: the size of what it writes into the residual stream on
+    calibration text (Wanda's |W|·‖X‖, summed over a channel), no gradients needed."""
+
+    def __init__(self, input_norms: dict) -> None:
+        self.input_norms = input_norms
+
+    @torch.no_grad()
+    def __call__(self, group: tp.dependency.Group) -> torch.Tensor:
+        for i, (dep, idxs) in enumerate(group):
+            norms = self.input_norms.get(dep.layer)
+            if norms is not None and dep.pruning_fn == tp.prune_linear_in_channels:
+                score = dep.layer.weight.detach().norm(dim=0)[idxs] * norms[idxs]
+                root = torch.tensor(group[i].root_idxs, device=score.device)
+                return torch.zeros(len(idxs), device=score.device).scatter_(0, root, score)
+        raise RuntimeError("activation importance found no down_proj in a torch-pruning group")
 
 
 def prune_mlp_channels(
@@ -91,8 +133,9 @@ def prune_mlp_channels(
 
     The dependency graph prunes gate_proj and up_proj rows with the matching down_proj columns;
     every layer keeps the same width (rounded to `round_to`) so that config.intermediate_size
-    describes it. "magnitude" ranks a channel by the L2 norm of its weights; "taylor" by
-    |weight × gradient|, a first-order estimate of the loss change, from `calibration` batches.
+    describes it. "magnitude" ranks a channel by the L2 norm of its weights; "activation" by
+    ‖down_proj column‖ · ‖its input‖ over the `calibration` batches (what it writes, no gradients);
+    "taylor" by |weight × gradient|, a first-order estimate of the loss change, from `calibration`.
     """
     _check_sparsity(ratio)
     _check_importance(importance, calibration)
@@ -112,8 +155,12 @@ def prune_mlp_channels(
     ]
     device = next(model.parameters()).device
     example = torch.randint(0, model.config.vocab_size, (1, 8), device=device)
-    scorer = tp.importance.MagnitudeImportance(p=2) if importance == "magnitude" else tp.importance.TaylorImportance()
-    with _importance_grads(model, importance, calibration), warnings.catch_warnings():
+    with _calibrated(model, importance, calibration) as norms, warnings.catch_warnings():
+        scorer = {
+            "magnitude": tp.importance.MagnitudeImportance(p=2),
+            "activation": _WrittenOutput(norms),
+            "taylor": tp.importance.TaylorImportance(),
+        }[importance]
         # torch-pruning lists the norm gains as "unwrapped" parameters; the ignored layers keep them whole
         warnings.filterwarnings("ignore", message="Unwrapped parameters detected")
         pruner = tp.pruner.MetaPruner(
@@ -150,8 +197,11 @@ def _sliced_linear(linear: nn.Linear, index: torch.Tensor, dim: int) -> nn.Linea
     return out
 
 
-def _head_scores(attn: nn.Module, n_heads: int, d: int, importance: str) -> torch.Tensor:
-    """One importance per query head, from its q_proj rows and o_proj columns."""
+def _head_scores(attn: nn.Module, n_heads: int, d: int, importance: str, norms: dict) -> torch.Tensor:
+    """One importance per query head, from its q_proj rows and o_proj columns (and o_proj's inputs)."""
+    if importance == "activation":
+        o = attn.o_proj.weight.detach().pow(2).sum(0) * norms[attn.o_proj].pow(2)
+        return o.view(n_heads, d).sum(1)
 
     def per_weight(w: torch.Tensor) -> torch.Tensor:
         return w.detach().pow(2) if importance == "magnitude" else (w.detach() * w.grad).abs()
@@ -173,8 +223,9 @@ def prune_attention_heads(
     Grouped-query attention shares each key/value head among consecutive query heads, so a pruned
     model stays valid only if every group loses the same number: `heads` must be a multiple of the
     number of groups and leave each group at least one head. A head's importance is the squared L2
-    norm of its q_proj rows and o_proj columns ("magnitude") or the sum of |weight × gradient| over
-    them ("taylor", from `calibration` batches).
+    norm of its q_proj rows and o_proj columns ("magnitude"), Σ ‖o_proj column‖² · ‖its input‖² over
+    the head's columns ("activation", from `calibration` batches) or the sum of |weight × gradient|
+    over its rows and columns ("taylor", from `calibration`).
     """
     layers = _llama_layers(model)
     attn0 = layers[0].self_attn
@@ -191,8 +242,8 @@ def prune_attention_heads(
     if heads == 0:
         return model_shapes(model)
     drop = heads // n_groups
-    with _importance_grads(model, importance, calibration):
-        scores = [_head_scores(layer.self_attn, n_heads, d, importance).view(n_groups, per_group) for layer in layers]
+    with _calibrated(model, importance, calibration) as norms:
+        scores = [_head_scores(x.self_attn, n_heads, d, importance, norms).view(n_groups, per_group) for x in layers]
     for layer, score in zip(layers, scores):
         attn = layer.self_attn
         keep = score.topk(per_group - drop, dim=1).indices.sort(dim=1).values  # order within a group kept
