@@ -23,6 +23,7 @@ BUILT_ON = {
     ("shards", "tokenizer"): "lab 01's shards are tagged with the tokenizer that made them",
     ("lora", "tasks"): "fine-tuning trains and scores on the instruction task",
     ("lora", "quant"): "QLoRA trains adapters on the packed 4-bit base",
+    ("prune", "quant"): "SparseGPT and Wanda sweep the decoder as GPTQ does, SparseGPT with GPTQ's inverse Hessian",
 }
 MAX_LINES = 450
 

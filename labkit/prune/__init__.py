@@ -5,12 +5,15 @@ One module per idea:
 - `masks`: which weights, keep-masks, applying them (held through fine-tuning), saving them, counting
   the zeros. The base: the others import it.
 - `recover`: sensitivity scans and prune-and-recover (fine-tuning with labkit.train).
+- `calibrated`: Wanda and SparseGPT from scratch, calibrated block by block as GPTQ is (on labkit.quant's sweep
+  and inverse-Hessian factor).
 - `structured`: whole MLP channels (torch-pruning) and attention heads by key/value group.
 - `kernels`: torch's 2:4 sparse kernels on an Ampere-or-newer GPU.
 
 Re-exported here: the names the notebooks, benchmarks and other labkit modules call as `prune.X`.
 """
 
+from labkit.prune.calibrated import sparsegpt_prune, sparsegpt_weight, wanda_mask, wanda_prune
 from labkit.prune.kernels import semi_structured_speedup, semi_structured_support, to_semi_structured
 from labkit.prune.masks import (
     SCOPES,
@@ -46,6 +49,10 @@ __all__ = [
     "semi_structured_speedup",
     "semi_structured_support",
     "sensitivity",
+    "sparsegpt_prune",
+    "sparsegpt_weight",
     "sparsity_report",
     "to_semi_structured",
+    "wanda_mask",
+    "wanda_prune",
 ]

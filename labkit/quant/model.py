@@ -7,7 +7,7 @@ import copy
 import math
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -260,7 +260,7 @@ def quantize_model(
                         q = quantize_rtn(m.weight, cfg)
                         _store(result, f"{prefix}.{i}.{name}", m, q, None, None, time.perf_counter() - t0)
         else:
-            _gptq_blocks(result, layers, prefix, calibration, batch_size, progress)
+            _gptq_blocks(result, calibration, batch_size, progress)
     result.seconds = time.perf_counter() - start
     return result
 
@@ -288,20 +288,30 @@ def _store(
     result.layers.append(LayerRecord(name, tuple(original.shape), err, rtn_err, seconds))
 
 
+Solve = Callable[[list[str], list[nn.Linear], torch.Tensor], None]
+
+
 @torch.no_grad()
-def _gptq_blocks(
-    result: QuantizedModel,
-    layers: nn.ModuleList,
-    prefix: str,
+def calibrated_sweep(
+    model: nn.Module,
     calibration: torch.Tensor,
-    batch_size: int,
-    progress: bool,
+    solve: Solve,
+    *,
+    batch_size: int = 8,
+    desc: str = "calibrating",
+    progress: bool = True,
 ) -> None:
-    cfg = result.config
-    inputs, kwargs_list = _first_block_inputs(result.model, layers, calibration, batch_size)
+    """Walk the decoder block by block on `calibration` ([n, T] token ids), calling solve(names, modules, H)
+    once per group of linears that read the same input (q/k/v; o; gate/up; down), with their names in the
+    model and H = 2 X Xᵀ / n of that input. `solve` may change the weights: the next group's inputs, and the next
+    block's, are computed with the changed ones, so each layer corrects for the layers solved before it.
+    GPTQ (`quantize_model`), SparseGPT and Wanda (labkit.prune) are such solves."""
+    layers = decoder_layers(model)
+    prefix = _layers_prefix(model, layers)
+    inputs, kwargs_list = _first_block_inputs(model, layers, calibration, batch_size)
     bar = tqdm(
         total=sum(1 for b in layers for m in b.modules() if isinstance(m, nn.Linear)),
-        desc="GPTQ",
+        desc=desc,
         disable=not progress,
         leave=False,
     )
@@ -310,29 +320,31 @@ def _gptq_blocks(
             named = dict(block.named_modules())
             for group in _sequential_groups(block, inputs[0], kwargs_list[0]):
                 hessian, _ = _input_hessian(block, named[group[0]], inputs, kwargs_list)
-                # The layers of a group read the same input: one Hessian serves all, and since GPTQ treats
-                # every output row alone given H, one pass over their stacked rows quantizes them all.
                 bar.set_postfix_str(f"{i}.{'+'.join(n.rsplit('.', 1)[-1] for n in group)}")
-                modules, t0 = [named[n] for n in group], time.perf_counter()
-                stacked = gptq_quantize(torch.cat([m.weight for m in modules]), hessian, cfg)
-                share = (time.perf_counter() - t0) / stacked.codes.shape[0]  # seconds per row
-                start = 0
-                for name, m in zip(group, modules):
-                    rows = m.weight.shape[0]
-                    _store(
-                        result,
-                        f"{prefix}.{i}.{name}",
-                        m,
-                        stacked.rows(start, start + rows),
-                        hessian,
-                        quantize_rtn(m.weight, cfg),
-                        share * rows,
-                    )
-                    start += rows
-                    bar.update()
+                solve([f"{prefix}.{i}.{n}" for n in group], [named[n] for n in group], hessian)
+                bar.update(len(group))
             inputs = [_block_output(block(x, **kw)) for x, kw in zip(inputs, kwargs_list)]
     finally:
         bar.close()
+
+
+def _gptq_blocks(result: QuantizedModel, calibration: torch.Tensor, batch_size: int, progress: bool) -> None:
+    cfg = result.config
+
+    def solve(names: list[str], modules: list[nn.Linear], hessian: torch.Tensor) -> None:
+        # The layers of a group read the same input: one Hessian serves all, and since GPTQ treats
+        # every output row alone given H, one pass over their stacked rows quantizes them all.
+        t0 = time.perf_counter()
+        stacked = gptq_quantize(torch.cat([m.weight for m in modules]), hessian, cfg)
+        share = (time.perf_counter() - t0) / stacked.codes.shape[0]  # seconds per row
+        start = 0
+        for name, m in zip(names, modules):
+            rows = m.weight.shape[0]
+            q, rtn = stacked.rows(start, start + rows), quantize_rtn(m.weight, cfg)
+            _store(result, name, m, q, hessian, rtn, share * rows)
+            start += rows
+
+    calibrated_sweep(result.model, calibration, solve, batch_size=batch_size, desc="GPTQ", progress=progress)
 
 
 def weight_bytes(qm: QuantizedModel) -> dict[str, int]:

@@ -1,0 +1,213 @@
+"""Pruning with calibration data, from scratch: Wanda (Sun et al., 2023) and SparseGPT (Frantar & Alistarh, 2023).
+
+Both walk the decoder block by block as GPTQ does (`quant.model.calibrated_sweep`): each group of linear
+layers is pruned on the inputs produced by the layers already pruned, summarized by H = 2 X Xᵀ / n.
+
+- Wanda scores each weight |W_ij| · ‖X_j‖ (‖X_j‖² is H_jj up to a constant) and compares the weights of
+  each output row among themselves. The kept weights do not change.
+- SparseGPT visits the columns left to right as GPTQ does, choosing the weights to drop by the OBS saliency
+  w² / [H⁻¹]_jj and moving each dropped weight's contribution onto the columns not yet visited through the
+  inverse Hessian: GPTQ's machinery with "set to zero" in place of "round to the grid".
+
+A sparsity is a share of each layer's weights (0.5) or an N:M pattern, (2, 4): n kept of every m
+consecutive inputs of each row, as `masks.nm_masks` counts it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from labkit.prune.masks import Pruning, _check_sparsity, _drop_smallest, apply_masks
+from labkit.quant.gptq import inverse_hessian_factor
+from labkit.quant.model import calibrated_sweep
+from labkit.torchutil import check_token_ids, decoder_layers, eval_mode, vocab_size
+
+Sparsity = float | tuple[int, int]
+
+
+def _pattern(sparsity: Sparsity) -> tuple[float | None, tuple[int, int] | None]:
+    """(share, None) for an unstructured sparsity, (None, (n, m)) for an N:M pattern; anything else refused."""
+    if isinstance(sparsity, tuple):
+        if len(sparsity) != 2 or not all(isinstance(v, int) for v in sparsity) or not 0 < sparsity[0] <= sparsity[1]:
+            raise ValueError(f"an N:M pattern keeps n of every m weights: need (n, m) with 0 < n <= m, got {sparsity}")
+        return None, sparsity
+    _check_sparsity(sparsity)
+    return float(sparsity), None
+
+
+def _check_width(in_features: int, nm: tuple[int, int] | None, name: str = "weight") -> None:
+    if nm and in_features % nm[1]:
+        raise ValueError(f"{name}: {nm[1]} must divide the input width {in_features} for {nm[0]}:{nm[1]} groups")
+
+
+def _check_block_size(block_size: int, nm: tuple[int, int] | None) -> None:
+    if not isinstance(block_size, int) or block_size < 1 or (nm and block_size % nm[1]):
+        raise ValueError(f"block_size must be a positive int (a multiple of m for N:M), got {block_size!r}")
+
+
+def _keep_top(scores: torch.Tensor, n: int, m: int) -> torch.Tensor:
+    """Keep-mask of the n highest scores in every m consecutive columns of each row."""
+    groups = scores.reshape(scores.shape[0], -1, m)
+    keep = torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, groups.topk(n, dim=-1).indices, True)
+    return keep.view_as(scores)
+
+
+@torch.no_grad()
+def wanda_mask(weight: torch.Tensor, hessian: torch.Tensor, sparsity: Sparsity) -> torch.Tensor:
+    """Wanda's keep-mask [out, in]: in each output row, drop the weights with the smallest |W_ij| · ‖X_j‖."""
+    share, nm = _pattern(sparsity)
+    _check_width(weight.shape[1], nm)
+    if hessian.shape != (weight.shape[1], weight.shape[1]):
+        raise ValueError(f"hessian must be [{weight.shape[1]}, {weight.shape[1]}], got {tuple(hessian.shape)}")
+    score = weight.detach().abs().float() * hessian.diagonal().float().clamp(min=0).sqrt().to(weight.device)
+    if nm:
+        return _keep_top(score, *nm)
+    drop = round(share * weight.shape[1])
+    keep = torch.ones_like(score, dtype=torch.bool)
+    if drop:
+        keep.scatter_(1, score.topk(drop, dim=1, largest=False).indices, False)
+    return keep
+
+
+@torch.no_grad()
+def sparsegpt_weight(
+    weight: torch.Tensor, hessian: torch.Tensor, sparsity: Sparsity, *, damp: float = 0.01, block_size: int = 128
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SparseGPT on one weight [out, in] given its inputs' Hessian: the pruned and updated weight, and its keep-mask.
+
+    Columns are visited in blocks of `block_size`. An unstructured mask is chosen per block, over all its
+    rows at once, by the saliency w² / u_jj² (u: the upper Cholesky factor of H⁻¹, u_jj² = [H⁻¹]_jj with the
+    earlier columns eliminated); an N:M mask per group of m columns, when the sweep reaches it. Each column's
+    error, divided by u_jj and weighted by row j of u, is subtracted from the columns after it.
+    """
+    share, nm = _pattern(sparsity)
+    rows, cols = weight.shape
+    _check_width(cols, nm)
+    if hessian.shape != (cols, cols):
+        raise ValueError(f"hessian must be [{cols}, {cols}], got {tuple(hessian.shape)}")
+    _check_block_size(block_size, nm)
+    work = torch.float64 if weight.dtype == torch.float64 else torch.float32  # float64 in, float64 throughout
+    w = weight.detach().to(work, copy=True)
+    h = hessian.detach().to(device=w.device, dtype=work, copy=True)
+    dead = h.diagonal() == 0  # inputs that were zero throughout calibration carry nothing: their weights go
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    u = inverse_hessian_factor(h, damp)
+    keep = torch.ones_like(w, dtype=torch.bool)
+    for b0 in range(0, cols, block_size):
+        b1 = min(b0 + block_size, cols)
+        block, ub = w[:, b0:b1], u[b0:b1, b0:b1]  # views: the sweep updates w in place
+        pivots = ub.diagonal()
+        errors = torch.zeros_like(block)
+        if share is not None:
+            saliency = block.pow(2) / pivots.pow(2)
+            keep[:, b0:b1] = _drop_smallest(saliency.flatten(), round(share * saliency.numel())).view_as(block)
+        for j in range(b1 - b0):
+            if nm and j % nm[1] == 0:
+                saliency = block[:, j : j + nm[1]].pow(2) / pivots[j : j + nm[1]].pow(2)
+                keep[:, b0 + j : b0 + j + nm[1]] = _keep_top(saliency, *nm)
+            pruned = block[:, j] * keep[:, b0 + j]
+            errors[:, j] = (block[:, j] - pruned) / ub[j, j]
+            block[:, j + 1 :].addr_(errors[:, j], ub[j, j + 1 :], alpha=-1)
+            block[:, j] = pruned
+        w[:, b1:].addmm_(errors, u[b0:b1, b1:], alpha=-1)
+    return w.to(weight.dtype), keep
+
+
+def _check_args(model: nn.Module, calibration: Any, sparsity: Sparsity, batch_size: int) -> None:
+    """Everything a whole-model sweep could trip over, checked before any weight changes."""
+    _, nm = _pattern(sparsity)
+    if not isinstance(calibration, torch.Tensor) or calibration.dim() != 2 or calibration.dtype != torch.long:
+        raise ValueError(
+            "calibrated pruning needs calibration token ids as a [n_blocks, block_size] long tensor "
+            "(labkit.quant.calibration_blocks makes one)"
+        )
+    check_token_ids(calibration, vocab_size(model), "calibration ids")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    for name, m in decoder_layers(model).named_modules():
+        if isinstance(m, nn.Linear):
+            _check_width(m.in_features, nm, name)
+
+
+def _calibrated_prune(
+    model: nn.Module,
+    calibration: torch.Tensor,
+    prune_weight: Any,
+    *,
+    batch_size: int,
+    permanent: bool,
+    progress: bool,
+    desc: str,
+) -> Pruning:
+    """Prune every linear in the decoder blocks with prune_weight(weight, H) -> (new weight, keep-mask)."""
+    masks: dict[str, torch.Tensor] = {}
+
+    def solve(names: list[str], modules: list[nn.Linear], hessian: torch.Tensor) -> None:
+        for name, m in zip(names, modules):
+            m.weight.data, masks[name] = prune_weight(m.weight, hessian)  # the next layers see the pruned one
+
+    with eval_mode(model):
+        calibrated_sweep(model, calibration, solve, batch_size=batch_size, desc=desc, progress=progress)
+    return apply_masks(model, masks, permanent=permanent)
+
+
+def wanda_prune(
+    model: nn.Module,
+    calibration: torch.Tensor,
+    sparsity: Sparsity = 0.5,
+    *,
+    batch_size: int = 8,
+    permanent: bool = False,
+    progress: bool = True,
+) -> Pruning:
+    """Wanda on every linear of the decoder blocks, in place: drop, per output row, the smallest |W_ij| · ‖X_j‖."""
+    _check_args(model, calibration, sparsity, batch_size)
+
+    def prune_weight(weight: torch.Tensor, hessian: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        keep = wanda_mask(weight, hessian, sparsity)
+        return weight.detach() * keep, keep
+
+    return _calibrated_prune(
+        model,
+        calibration,
+        prune_weight,
+        batch_size=batch_size,
+        permanent=permanent,
+        progress=progress,
+        desc="Wanda",
+    )
+
+
+def sparsegpt_prune(
+    model: nn.Module,
+    calibration: torch.Tensor,
+    sparsity: Sparsity = 0.5,
+    *,
+    damp: float = 0.01,
+    block_size: int = 128,
+    batch_size: int = 8,
+    permanent: bool = False,
+    progress: bool = True,
+) -> Pruning:
+    """SparseGPT on every linear of the decoder blocks, in place: prune and update the remaining weights."""
+    _check_args(model, calibration, sparsity, batch_size)
+    if not (isinstance(damp, (int, float)) and 0 <= damp < 1):
+        raise ValueError(f"damp must be in [0, 1), got {damp!r}")
+    _check_block_size(block_size, _pattern(sparsity)[1])
+
+    def prune_weight(weight: torch.Tensor, hessian: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return sparsegpt_weight(weight, hessian, sparsity, damp=damp, block_size=block_size)
+
+    return _calibrated_prune(
+        model,
+        calibration,
+        prune_weight,
+        batch_size=batch_size,
+        permanent=permanent,
+        progress=progress,
+        desc="SparseGPT",
+    )
