@@ -131,8 +131,7 @@ CALIBRATION = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_
 @pytest.mark.parametrize("sparsity", [0.5, (2, 4)])
 def test_whole_model_pruning_gives_the_sparsity_asked_and_holds_its_masks(method, sparsity):
     model = _model()
-    prune = calibrated.wanda_prune if method == "wanda" else calibrated.sparsegpt_prune
-    pruning = prune(model, CALIBRATION, sparsity, progress=False)
+    pruning = calibrated.calibrated_prune(model, CALIBRATION, sparsity, method=method, progress=False)
     linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}
     assert set(pruning.masks) == set(linears) and pruning.active
     for name, m in linears.items():
@@ -145,7 +144,7 @@ def test_whole_model_pruning_gives_the_sparsity_asked_and_holds_its_masks(method
 
 def test_wanda_on_the_first_layers_uses_the_unpruned_inputs_and_later_ones_the_pruned():
     model, reference = _model(), _model()
-    calibrated.wanda_prune(model, CALIBRATION, 0.5, progress=False, permanent=True)
+    calibrated.calibrated_prune(model, CALIBRATION, 0.5, progress=False, permanent=True)
     first = "model.layers.0.self_attn.q_proj"
     h = input_hessian(reference, first, CALIBRATION)
     expected = calibrated.wanda_mask(dict(reference.named_modules())[first].weight, h, 0.5)
@@ -158,7 +157,7 @@ def test_wanda_on_the_first_layers_uses_the_unpruned_inputs_and_later_ones_the_p
 
 def test_sparsegpt_keeps_the_model_closer_to_dense_than_magnitude():
     dense, sparse, magnitude = _model(), _model(), _model()
-    calibrated.sparsegpt_prune(sparse, CALIBRATION, 0.5, progress=False, permanent=True)
+    calibrated.calibrated_prune(sparse, CALIBRATION, 0.5, method="sparsegpt", progress=False, permanent=True)
     masks.magnitude_prune(magnitude, 0.5, permanent=True)  # every linear but the LM head: the decoder's
     ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(9))
     ref = _logits(dense, ids)
@@ -176,15 +175,14 @@ def test_sparsegpt_keeps_the_model_closer_to_dense_than_magnitude():
         ({"batch_size": 0}, "batch_size"),
         ({"block_size": 6, "sparsity": (2, 4)}, "block_size"),
         ({"damp": 1.5}, "damp"),
+        ({"method": "obs"}, "method must be one of"),
     ],
 )
-def test_bad_input_is_refused_before_any_weight_changes(kwargs, message):
+@pytest.mark.parametrize("method", calibrated.METHODS)
+def test_bad_input_is_refused_before_any_weight_changes(kwargs, message, method):
     model = _model()
     state = _state(model)
-    args = {"calibration": CALIBRATION, "sparsity": 0.5, "progress": False} | kwargs
+    args = {"calibration": CALIBRATION, "sparsity": 0.5, "method": method, "progress": False} | kwargs
     with pytest.raises(ValueError, match=message):
-        calibrated.sparsegpt_prune(model, **args)
-    if not {"block_size", "damp"} & set(kwargs):
-        with pytest.raises(ValueError, match=message):
-            calibrated.wanda_prune(model, **args)
+        calibrated.calibrated_prune(model, **args)
     assert _unchanged(model, state)

@@ -13,7 +13,7 @@ One module per idea:
 Re-exported here: the names the notebooks, benchmarks and other labkit modules call as `prune.X`.
 """
 
-from labkit.prune.calibrated import sparsegpt_prune, sparsegpt_weight, wanda_mask, wanda_prune
+from labkit.prune.calibrated import calibrated_prune, sparsegpt_weight, wanda_mask
 from labkit.prune.kernels import semi_structured_speedup, semi_structured_support, to_semi_structured
 from labkit.prune.masks import (
     SCOPES,
@@ -31,6 +31,7 @@ from labkit.prune.recover import groups_by, prune_and_recover, sensitivity
 from labkit.prune.structured import IMPORTANCES, model_shapes, prune_attention_heads, prune_mlp_channels
 
 __all__ = [
+    "calibrated_prune",
     "IMPORTANCES",
     "SCOPES",
     "LayerSparsity",
@@ -49,10 +50,8 @@ __all__ = [
     "semi_structured_speedup",
     "semi_structured_support",
     "sensitivity",
-    "sparsegpt_prune",
     "sparsegpt_weight",
     "sparsity_report",
     "to_semi_structured",
     "wanda_mask",
-    "wanda_prune",
 ]

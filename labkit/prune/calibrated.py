@@ -133,81 +133,45 @@ def _check_args(model: nn.Module, calibration: Any, sparsity: Sparsity, batch_si
             _check_width(m.in_features, nm, name)
 
 
-def _calibrated_prune(
-    model: nn.Module,
-    calibration: torch.Tensor,
-    prune_weight: Any,
-    *,
-    batch_size: int,
-    permanent: bool,
-    progress: bool,
-    desc: str,
-) -> Pruning:
-    """Prune every linear in the decoder blocks with prune_weight(weight, H) -> (new weight, keep-mask)."""
-    masks: dict[str, torch.Tensor] = {}
-
-    def solve(names: list[str], modules: list[nn.Linear], hessian: torch.Tensor) -> None:
-        for name, m in zip(names, modules):
-            m.weight.data, masks[name] = prune_weight(m.weight, hessian)  # the next layers see the pruned one
-
-    with eval_mode(model):
-        calibrated_sweep(model, calibration, solve, batch_size=batch_size, desc=desc, progress=progress)
-    return apply_masks(model, masks, permanent=permanent)
+METHODS = ("wanda", "sparsegpt")
 
 
-def wanda_prune(
+def calibrated_prune(
     model: nn.Module,
     calibration: torch.Tensor,
     sparsity: Sparsity = 0.5,
     *,
-    batch_size: int = 8,
-    permanent: bool = False,
-    progress: bool = True,
-) -> Pruning:
-    """Wanda on every linear of the decoder blocks, in place: drop, per output row, the smallest |W_ij| · ‖X_j‖."""
-    _check_args(model, calibration, sparsity, batch_size)
-
-    def prune_weight(weight: torch.Tensor, hessian: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        keep = wanda_mask(weight, hessian, sparsity)
-        return weight.detach() * keep, keep
-
-    return _calibrated_prune(
-        model,
-        calibration,
-        prune_weight,
-        batch_size=batch_size,
-        permanent=permanent,
-        progress=progress,
-        desc="Wanda",
-    )
-
-
-def sparsegpt_prune(
-    model: nn.Module,
-    calibration: torch.Tensor,
-    sparsity: Sparsity = 0.5,
-    *,
+    method: str = "wanda",
     damp: float = 0.01,
     block_size: int = 128,
     batch_size: int = 8,
     permanent: bool = False,
     progress: bool = True,
 ) -> Pruning:
-    """SparseGPT on every linear of the decoder blocks, in place: prune and update the remaining weights."""
+    """Wanda or SparseGPT on every linear of the decoder blocks, in place, swept block by block on `calibration`.
+
+    "wanda" zeros, per output row, the smallest |W_ij| · ‖X_j‖; "sparsegpt" also updates the remaining
+    weights (`damp` and `block_size` as in GPTQ). Returns a `Pruning` whose masks hold through fine-tuning
+    unless `permanent`.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     _check_args(model, calibration, sparsity, batch_size)
     if not (isinstance(damp, (int, float)) and 0 <= damp < 1):
         raise ValueError(f"damp must be in [0, 1), got {damp!r}")
     _check_block_size(block_size, _pattern(sparsity)[1])
+    masks: dict[str, torch.Tensor] = {}
 
-    def prune_weight(weight: torch.Tensor, hessian: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return sparsegpt_weight(weight, hessian, sparsity, damp=damp, block_size=block_size)
+    def solve(names: list[str], modules: list[nn.Linear], hessian: torch.Tensor) -> None:
+        for name, m in zip(names, modules):  # pruned in place: the next layers' inputs come from the pruned ones
+            if method == "wanda":
+                masks[name] = wanda_mask(m.weight, hessian, sparsity)
+                m.weight.data = m.weight.detach() * masks[name]
+            else:
+                pruned, masks[name] = sparsegpt_weight(m.weight, hessian, sparsity, damp=damp, block_size=block_size)
+                m.weight.data = pruned
 
-    return _calibrated_prune(
-        model,
-        calibration,
-        prune_weight,
-        batch_size=batch_size,
-        permanent=permanent,
-        progress=progress,
-        desc="SparseGPT",
-    )
+    with eval_mode(model):
+        desc = {"wanda": "Wanda", "sparsegpt": "SparseGPT"}[method]
+        calibrated_sweep(model, calibration, solve, batch_size=batch_size, desc=desc, progress=progress)
+    return apply_masks(model, masks, permanent=permanent)
