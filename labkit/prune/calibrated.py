@@ -20,7 +20,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from labkit.prune.masks import Pruning, _check_sparsity, _drop_smallest, apply_masks
+from labkit.prune.masks import (
+    Pruning,
+    _check_nm,
+    _check_nm_width,
+    _check_sparsity,
+    _drop_smallest,
+    _keep_top,
+    apply_masks,
+)
 from labkit.quant.gptq import inverse_hessian_factor
 from labkit.quant.model import calibrated_sweep
 from labkit.torchutil import check_token_ids, decoder_layers, eval_mode, vocab_size
@@ -31,16 +39,20 @@ Sparsity = float | tuple[int, int]
 def _pattern(sparsity: Sparsity) -> tuple[float | None, tuple[int, int] | None]:
     """(share, None) for an unstructured sparsity, (None, (n, m)) for an N:M pattern; anything else refused."""
     if isinstance(sparsity, tuple):
-        if len(sparsity) != 2 or not all(isinstance(v, int) for v in sparsity) or not 0 < sparsity[0] <= sparsity[1]:
-            raise ValueError(f"an N:M pattern keeps n of every m weights: need (n, m) with 0 < n <= m, got {sparsity}")
+        if len(sparsity) != 2:
+            raise ValueError(f"an N:M pattern is a pair (n, m), got {sparsity}")
+        _check_nm(*sparsity)
         return None, sparsity
     _check_sparsity(sparsity)
     return float(sparsity), None
 
 
-def _check_width(in_features: int, nm: tuple[int, int] | None, name: str = "weight") -> None:
-    if nm and in_features % nm[1]:
-        raise ValueError(f"{name}: {nm[1]} must divide the input width {in_features} for {nm[0]}:{nm[1]} groups")
+def _check_layer(weight: torch.Tensor, hessian: torch.Tensor, nm: tuple[int, int] | None) -> None:
+    """A weight [out, in] whose width fits the N:M groups, and its inputs' Hessian [in, in]."""
+    if nm:
+        _check_nm_width("weight", weight.shape, *nm)
+    if hessian.shape != (weight.shape[1], weight.shape[1]):
+        raise ValueError(f"hessian must be [{weight.shape[1]}, {weight.shape[1]}], got {tuple(hessian.shape)}")
 
 
 def _check_block_size(block_size: int, nm: tuple[int, int] | None) -> None:
@@ -48,20 +60,11 @@ def _check_block_size(block_size: int, nm: tuple[int, int] | None) -> None:
         raise ValueError(f"block_size must be a positive int (a multiple of m for N:M), got {block_size!r}")
 
 
-def _keep_top(scores: torch.Tensor, n: int, m: int) -> torch.Tensor:
-    """Keep-mask of the n highest scores in every m consecutive columns of each row."""
-    groups = scores.reshape(scores.shape[0], -1, m)
-    keep = torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, groups.topk(n, dim=-1).indices, True)
-    return keep.view_as(scores)
-
-
 @torch.no_grad()
 def wanda_mask(weight: torch.Tensor, hessian: torch.Tensor, sparsity: Sparsity) -> torch.Tensor:
     """Wanda's keep-mask [out, in]: in each output row, drop the weights with the smallest |W_ij| · ‖X_j‖."""
     share, nm = _pattern(sparsity)
-    _check_width(weight.shape[1], nm)
-    if hessian.shape != (weight.shape[1], weight.shape[1]):
-        raise ValueError(f"hessian must be [{weight.shape[1]}, {weight.shape[1]}], got {tuple(hessian.shape)}")
+    _check_layer(weight, hessian, nm)
     score = weight.detach().abs().float() * hessian.diagonal().float().clamp(min=0).sqrt().to(weight.device)
     if nm:
         return _keep_top(score, *nm)
@@ -84,11 +87,9 @@ def sparsegpt_weight(
     error, divided by u_jj and weighted by row j of u, is subtracted from the columns after it.
     """
     share, nm = _pattern(sparsity)
-    rows, cols = weight.shape
-    _check_width(cols, nm)
-    if hessian.shape != (cols, cols):
-        raise ValueError(f"hessian must be [{cols}, {cols}], got {tuple(hessian.shape)}")
+    _check_layer(weight, hessian, nm)
     _check_block_size(block_size, nm)
+    cols = weight.shape[1]
     work = torch.float64 if weight.dtype == torch.float64 else torch.float32  # float64 in, float64 throughout
     w = weight.detach().to(work, copy=True)
     h = hessian.detach().to(device=w.device, dtype=work, copy=True)
@@ -117,8 +118,8 @@ def sparsegpt_weight(
     return w.to(weight.dtype), keep
 
 
-def _check_args(model: nn.Module, calibration: Any, sparsity: Sparsity, batch_size: int) -> None:
-    """Everything a whole-model sweep could trip over, checked before any weight changes."""
+def _check_args(model: nn.Module, calibration: Any, sparsity: Sparsity, batch_size: int) -> tuple[int, int] | None:
+    """Everything a whole-model sweep could trip over, checked before any weight changes; returns the N:M pattern."""
     _, nm = _pattern(sparsity)
     if not isinstance(calibration, torch.Tensor) or calibration.dim() != 2 or calibration.dtype != torch.long:
         raise ValueError(
@@ -129,8 +130,9 @@ def _check_args(model: nn.Module, calibration: Any, sparsity: Sparsity, batch_si
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     for name, m in decoder_layers(model).named_modules():
-        if isinstance(m, nn.Linear):
-            _check_width(m.in_features, nm, name)
+        if nm and isinstance(m, nn.Linear):
+            _check_nm_width(name, m.weight.shape, *nm)
+    return nm
 
 
 METHODS = ("wanda", "sparsegpt")
@@ -156,10 +158,10 @@ def calibrated_prune(
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    _check_args(model, calibration, sparsity, batch_size)
+    nm = _check_args(model, calibration, sparsity, batch_size)
     if not (isinstance(damp, (int, float)) and 0 <= damp < 1):
         raise ValueError(f"damp must be in [0, 1), got {damp!r}")
-    _check_block_size(block_size, _pattern(sparsity)[1])
+    _check_block_size(block_size, nm)
     masks: dict[str, torch.Tensor] = {}
 
     def solve(names: list[str], modules: list[nn.Linear], hessian: torch.Tensor) -> None:

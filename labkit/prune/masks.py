@@ -111,18 +111,31 @@ def magnitude_masks(
         }
 
 
-def nm_masks(weights: dict[str, torch.Tensor], n: int = 2, m: int = 4) -> dict[str, torch.Tensor]:
-    """Keep-masks with the n largest |w| of every m consecutive inputs of each row (2:4: NVIDIA's sparse pattern)."""
+def _check_nm(n: int, m: int) -> None:
     if not (isinstance(n, int) and isinstance(m, int)) or not 0 < n <= m:
         raise ValueError(f"N:M pruning keeps n of every m weights: need 0 < n <= m, got n={n}, m={m}")
+
+
+def _check_nm_width(name: str, shape: Sequence[int], n: int, m: int) -> None:
+    if len(shape) != 2 or shape[1] % m:
+        raise ValueError(f"{name}: {m} must divide the input width for {n}:{m} groups, shape {tuple(shape)}")
+
+
+def _keep_top(scores: torch.Tensor, n: int, m: int) -> torch.Tensor:
+    """Keep-mask of the n highest scores in every m consecutive columns of each row."""
+    groups = scores.reshape(scores.shape[0], -1, m)
+    keep = torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, groups.topk(n, dim=-1).indices, True)
+    return keep.view_as(scores)
+
+
+def nm_masks(weights: dict[str, torch.Tensor], n: int = 2, m: int = 4) -> dict[str, torch.Tensor]:
+    """Keep-masks with the n largest |w| of every m consecutive inputs of each row (2:4: NVIDIA's sparse pattern)."""
+    _check_nm(n, m)
     masks = {}
     with torch.no_grad():
         for name, w in weights.items():
-            if w.ndim != 2 or w.shape[1] % m:
-                raise ValueError(f"{name}: {m} must divide the input width for {n}:{m} groups, shape {tuple(w.shape)}")
-            groups = w.abs().reshape(w.shape[0], -1, m)
-            keep = torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, groups.topk(n, dim=-1).indices, True)
-            masks[name] = keep.view_as(w)
+            _check_nm_width(name, w.shape, n, m)
+            masks[name] = _keep_top(w.abs(), n, m)
     return masks
 
 
