@@ -86,7 +86,7 @@ $(STAMP):
 	# pin the torch already installed, so that no dependency (GPTQModel's newest release wants a
 	# newer torch) can swap it for a multi-GB download
 	$(PY) -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' > $(VENV)/constraints.txt
-	$(PY) -m pip install --quiet -c $(VENV)/constraints.txt -e ".[dev,gptq]"
+	$(PY) -m pip install --quiet -c $(VENV)/constraints.txt -e ".[dev,gptq,qlora]"
 	# torchao comes with GPTQModel, which does not need it for GPTQ; its CPU wheel prints load
 	# failures on every transformers import, so it is removed (reinstall it if you use it).
 	$(PY) -m pip uninstall --quiet --yes torchao

@@ -8,6 +8,8 @@ zero point; each weight becomes an integer code q in [0, 2^bits - 1] standing fo
 - `gptq`: `gptq_quantize` (Frantar et al., 2022). Quantize one input column at a time and spread its
   rounding error over the columns not yet quantized, in proportion to the inverse Hessian
   H = 2 X Xᵀ / n of the layer's calibration inputs, which minimizes ‖WX − ŴX‖² column by column.
+- `nf4`: `quantize_nf4` / `quantize_model_nf4`, QLoRA's 4-bit NormalFloat with double quantization, from scratch
+  in bitsandbytes' layout: 16 values at normal quantiles, one absmax per 64 weights, no calibration data.
 - `model`: `quantize_model`, the whole decoder, block by block: calibration activations flow through the
   blocks already quantized, so each block corrects for the error of those before it.
 - `packed`: `PackedLinear` / `pack_model`, the codes kept packed in memory and dequantized on the fly, in
@@ -28,6 +30,7 @@ from labkit.quant.formats import QuantConfig, bits_per_weight, grid, quantize_rt
 from labkit.quant.gptq import gptq_quantize, hessian_error, inverse_hessian_factor, quantize_column
 from labkit.quant.interop import gptq_kernels, gptqmodel_available, load_with_transformers, quantize_with_gptqmodel
 from labkit.quant.model import METHODS, calibration_blocks, input_hessian, quantize_model, weight_bytes
+from labkit.quant.nf4 import quantize_model_nf4, quantize_nf4
 from labkit.quant.packed import pack_model
 
 __all__ = [
@@ -49,6 +52,8 @@ __all__ = [
     "quantize_column",
     "quantize_model",
     "quantize_model_cached",
+    "quantize_model_nf4",
+    "quantize_nf4",
     "quantize_rtn",
     "quantize_with_gptqmodel",
     "save_gptq",

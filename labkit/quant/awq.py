@@ -1,0 +1,138 @@
+"""Activation-aware scaling before round-to-nearest, the idea of AWQ (Lin et al., 2024): a few input channels
+carry much larger activations than the rest, and their weights matter more. Multiply those weight columns
+by s > 1 before rounding (so their relative rounding error shrinks) and divide the layer's input by s (so
+the product is unchanged): Ŵ = Q(W·diag(s))·diag(s)⁻¹. The scale is s_j = rms(x_j)^α, with α searched on a
+grid to minimize the layer's output error on calibration inputs; α = 0 is plain RTN, so the search never
+does worse than RTN on the calibration data.
+
+The 1/s is folded into the operation before the layer — the RMSNorm's weight for q/k/v and gate/up, the rows
+of up_proj for down_proj — so the model stays a plain fp model, exactly equivalent, that any RTN or GPTQ
+quantizer then rounds. (AWQ also searches a clipping range per group; this keeps to the scaling.)
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from labkit.quant.formats import QuantConfig, quantize_rtn
+from labkit.quant.gptq import hessian_error
+from labkit.quant.model import calibrated_sweep
+from labkit.torchutil import check_token_ids, eval_mode, vocab_size
+
+GRID = 20  # α ∈ {0, 1/20, …, 19/20}, as in AWQ
+# Llama-style blocks: the layers that read one input, and the operation whose output that input is. o_proj's
+# input comes out of attention, not straight from v_proj (with grouped-query attention the shapes differ
+# too), so, as in AWQ's own code for such models, o_proj is not scaled.
+PREDECESSORS = {
+    "self_attn.q_proj": "input_layernorm",
+    "mlp.gate_proj": "post_attention_layernorm",
+    "mlp.down_proj": "mlp.up_proj",
+}
+
+
+def activation_scale(hessian: torch.Tensor) -> torch.Tensor:
+    """Each input channel's root-mean-square activation, from H = 2 X Xᵀ / n: sqrt(H_jj / 2)."""
+    return (hessian.diagonal().double() / 2).clamp(min=0).sqrt().float()
+
+
+def scaled_rtn(weight: torch.Tensor, scale: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
+    """Q(W·diag(s))·diag(s)⁻¹: what the layer computes once s is folded into its input and W·s is rounded."""
+    return quantize_rtn(weight * scale, cfg).dequantize() / scale
+
+
+def search_scale(
+    weight: torch.Tensor, hessian: torch.Tensor, cfg: QuantConfig, grid: int = GRID
+) -> tuple[torch.Tensor, float, list[float]]:
+    """The per-input-channel scale s = rms(x)^α (normalized so that max·min = 1) whose scaled RTN has the least
+    output error tr(ΔW H ΔWᵀ) on the calibration inputs; returns (s, α, the error at every α tried)."""
+    if not isinstance(grid, int) or grid < 1:
+        raise ValueError(f"grid must be a positive int, got {grid!r}")
+    w = weight.detach().float()
+    act = activation_scale(hessian).clamp(min=1e-8)
+    best, errors = None, []
+    for step in range(grid):
+        alpha = step / grid
+        s = act**alpha
+        s = s / (s.max() * s.min()).sqrt()  # centre the scales around 1 (on a log scale)
+        err = hessian_error(w, scaled_rtn(w, s, cfg), hessian)
+        errors.append(err)
+        if best is None or err < best[2]:
+            best = (s, alpha, err)
+    return best[0], best[1], errors
+
+
+@dataclass
+class ScaleRecord:
+    """One group of layers sharing an input: its α, its output error and plain RTN's (α = 0) on calibration."""
+
+    names: list[str]
+    alpha: float
+    error: float
+    rtn_error: float
+
+
+@dataclass
+class AWQResult:
+    """The model with scales folded in (still full precision: quantize it next), and one record per group."""
+
+    model: nn.Module
+    records: list[ScaleRecord] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+@torch.no_grad()
+def _fold(modules: list[nn.Linear], previous: nn.Module, scale: torch.Tensor) -> None:
+    """Columns of the layers times s, the output of the operation before them divided by s: the same function."""
+    for m in modules:
+        m.weight.mul_(scale.to(m.weight)[None, :])
+    previous.weight.div_(scale.to(previous.weight).view(-1, *[1] * (previous.weight.dim() - 1)))
+    if getattr(previous, "bias", None) is not None:
+        previous.bias.div_(scale.to(previous.bias))
+
+
+def awq_model(
+    model: nn.Module,
+    calibration: torch.Tensor,
+    cfg: QuantConfig,
+    *,
+    grid: int = GRID,
+    batch_size: int = 8,
+    inplace: bool = False,
+    progress: bool = True,
+) -> AWQResult:
+    """Search and fold activation-aware scales into every decoder block, group by group on `calibration` ([n, T]
+    token ids), for the quantizer `cfg` describes. The returned model computes what the source model computes;
+    quantize it with `quantize_model(..., method="rtn")` (or GPTQ). The source model is copied unless `inplace`."""
+    if not isinstance(cfg, QuantConfig):
+        raise TypeError(f"cfg must be a QuantConfig, got {type(cfg).__name__}")
+    if not isinstance(calibration, torch.Tensor) or calibration.dim() != 2 or calibration.dtype != torch.long:
+        raise ValueError("calibration must be token ids as a [n_blocks, block_size] long tensor")
+    check_token_ids(calibration, vocab_size(model), "calibration ids")
+    if not isinstance(grid, int) or grid < 1:
+        raise ValueError(f"grid must be a positive int, got {grid!r}")
+    if not inplace:
+        model = copy.deepcopy(model)
+    result = AWQResult(model)
+
+    def solve(names: list[str], modules: list[nn.Linear], hessian: torch.Tensor) -> None:
+        relative = next((r for r in PREDECESSORS if names[0].endswith(f".{r}")), None)
+        if relative is None:
+            result.skipped.extend(names)
+            return
+        previous = model.get_submodule(names[0][: -len(relative)] + PREDECESSORS[relative])
+        stacked = torch.cat([m.weight for m in modules])
+        scale, alpha, errors = search_scale(stacked, hessian, cfg, grid)
+        _fold(modules, previous, scale)
+        result.records.append(ScaleRecord(names, alpha, min(errors), errors[0]))
+
+    start = time.perf_counter()
+    with eval_mode(model):
+        calibrated_sweep(model, calibration, solve, batch_size=batch_size, desc="AWQ scales", progress=progress)
+    result.seconds = time.perf_counter() - start
+    return result
