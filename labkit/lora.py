@@ -27,7 +27,7 @@ ALL_LINEAR = "all-linear"
 
 def is_linear(module: nn.Module) -> bool:
     """An nn.Linear, or a frozen linear stored another way that can `dequantize()` its weight
-    (quant.PackedLinear: the 4-bit base of QLoRA)."""
+    (quant.PackedLinear or quant.NF4Linear: the 4-bit base of QLoRA)."""
     if isinstance(module, nn.Linear):
         return True
     return callable(getattr(module, "dequantize", None)) and all(
@@ -51,7 +51,7 @@ class LoRALinear(nn.Module):
     def __init__(self, base: nn.Module, r: int = 8, alpha: float = 16, dropout: float = 0.0) -> None:
         super().__init__()
         if not is_linear(base) or isinstance(base, LoRALinear):
-            raise TypeError(f"LoRALinear wraps an nn.Linear or a quant.PackedLinear, not {type(base).__name__}")
+            raise TypeError(f"LoRALinear wraps an nn.Linear or a packed 4-bit linear, not {type(base).__name__}")
         _check_lora_args(r, alpha, dropout)
         self.base = base
         self.base.requires_grad_(False)

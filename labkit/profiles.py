@@ -37,6 +37,9 @@ class Profile:
     train_steps: int  # optimizer steps per training run in labs 02-03
     prune_sparsities: tuple[float, ...]  # unstructured sparsities swept in lab 06
     prune_ratios: tuple[float, ...]  # shares of MLP channels removed by structured pruning (lab 06)
+    calibrated_sparsities: tuple[float, ...]  # unstructured sparsities pruned by Wanda and SparseGPT (lab 06)
+    prune_calibration_blocks: int  # their calibration windows, of calibration_block_size tokens
+    prune_calibration_sizes: tuple[int, ...]  # windows tried for Wanda's calibration-size sensitivity (lab 06)
     sensitivity_documents: int  # validation documents scored per sensitivity probe (lab 06)
     finetune_block_size: int  # tokens per block when fine-tuning the default model (labs 06-08)
     finetune_batch_size: int  # blocks per fine-tuning batch
@@ -44,6 +47,9 @@ class Profile:
     calibration_blocks: int  # GPTQ calibration windows (lab 07); the paper used 128
     calibration_block_size: int  # tokens per calibration window; the paper used 2048
     quant_settings: tuple[tuple[int, int], ...]  # (bits, group size) compared whole-model in lab 07; -1 = per channel
+    awq_calibration_blocks: int  # windows for lab 07's activation-aware scales (statistics, not a full-rank Hessian)
+    awq_grid: int  # exponents α tried per layer group by lab 07's activation-aware scales (AWQ used 20)
+    gptq_act_order: bool  # lab 07's landscape runs GPTQ again with act-order (False: it reuses the table's GPTQ run)
     lora_steps: int  # optimizer steps per fine-tuning run in lab 08 (each example seen once)
     lora_batch_size: int  # task examples per step
     lora_max_length: int  # tokens per example (prompt cut from the left)
@@ -75,6 +81,9 @@ PROFILES: dict[str, Profile] = {
             train_steps=8,
             prune_sparsities=(0.0, 0.5, 0.9),
             prune_ratios=(0.2,),
+            calibrated_sparsities=(0.5,),
+            prune_calibration_blocks=2,
+            prune_calibration_sizes=(1, 2),
             sensitivity_documents=1,
             finetune_block_size=64,
             finetune_batch_size=2,
@@ -82,6 +91,9 @@ PROFILES: dict[str, Profile] = {
             calibration_blocks=32,  # 8192 tokens: 4x+ the 1536 inputs of SmolLM2's down_proj (quant.TOKENS_PER_INPUT)
             calibration_block_size=256,
             quant_settings=((4, 64),),
+            awq_calibration_blocks=4,
+            awq_grid=4,
+            gptq_act_order=False,
             lora_steps=2,
             lora_batch_size=2,
             lora_max_length=128,
@@ -109,6 +121,9 @@ PROFILES: dict[str, Profile] = {
             train_steps=40,
             prune_sparsities=(0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9),
             prune_ratios=(0.1, 0.2, 0.3),
+            calibrated_sparsities=(0.3, 0.5, 0.7),
+            prune_calibration_blocks=16,  # 8192 tokens, as benchmarks/pruning_calibrated.py
+            prune_calibration_sizes=(1, 4, 16),
             sensitivity_documents=8,
             finetune_block_size=128,
             finetune_batch_size=4,
@@ -116,6 +131,9 @@ PROFILES: dict[str, Profile] = {
             calibration_blocks=32,
             calibration_block_size=512,
             quant_settings=((4, 64), (4, -1), (3, 64), (3, -1)),
+            awq_calibration_blocks=16,
+            awq_grid=20,
+            gptq_act_order=True,
             lora_steps=30,
             lora_batch_size=4,
             lora_max_length=256,
@@ -145,6 +163,9 @@ PROFILES: dict[str, Profile] = {
             train_steps=100,
             prune_sparsities=(0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9),
             prune_ratios=(0.1, 0.2, 0.3, 0.4),
+            calibrated_sparsities=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7),
+            prune_calibration_blocks=48,  # 49 k tokens: the gpu calibration windows
+            prune_calibration_sizes=(1, 4, 16, 48),
             sensitivity_documents=64,
             finetune_block_size=512,
             finetune_batch_size=8,
@@ -154,6 +175,9 @@ PROFILES: dict[str, Profile] = {
             calibration_blocks=48,
             calibration_block_size=1024,
             quant_settings=((4, 64), (4, -1), (3, 64), (3, -1)),
+            awq_calibration_blocks=16,
+            awq_grid=20,
+            gptq_act_order=True,
             lora_steps=200,
             lora_batch_size=16,
             lora_max_length=384,

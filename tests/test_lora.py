@@ -188,6 +188,30 @@ def test_lora_on_a_packed_4_bit_base_trains_and_merges(ids):
     torch.testing.assert_close(merged, unmerged, rtol=1e-4, atol=1e-4)
 
 
+def test_qlora_from_scratch_trains_as_peft_on_bitsandbytes_4bit(ids):
+    """QLoRA as practitioners run it (PEFT adapters on every linear of a bitsandbytes NF4 model) against labkit's
+    LoRALinear on NF4Linear layers holding the same codes: same outputs, and the same adapters after AdamW steps."""
+    pytest.importorskip("bitsandbytes")
+    from labkit.quant.interop import from_bnb_4bit, to_bnb_4bit
+
+    theirs = to_bnb_4bit(tiny_llama())
+    ours = from_bnb_4bit(copy.deepcopy(theirs))
+    lora.add_lora(ours, lora.ALL_LINEAR, r=4, alpha=8)
+    peft_model = lora.apply_peft(theirs, lora.ALL_LINEAR, r=4, alpha=8)
+    assert {type(m.base).__name__ for m in ours.modules() if isinstance(m, lora.LoRALinear)} == {"NF4Linear"}
+    randomize_b(peft_model)
+    lora.copy_from_peft(peft_model, ours)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, peft_model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    start = {n: p.detach().clone() for n, p in ours.named_parameters() if p.requires_grad}
+    packed = {n: b.clone() for n, b in ours.named_buffers()}
+    for model in (ours, peft_model):
+        assert train_a_few_steps(model, ids, steps=3)
+    assert all(not torch.equal(p, start[n]) for n, p in ours.named_parameters() if p.requires_grad)
+    assert lora.adapter_difference(peft_model, ours) < 1e-5  # measured: 0.0, the same arithmetic on the same codes
+    assert all(torch.equal(b, packed[n]) for n, b in ours.named_buffers())  # the 4-bit base never moves
+
+
 def test_update_spectrum_and_energy_rank_see_a_low_rank_update():
     torch.manual_seed(0)
     before = torch.randn(40, 30)

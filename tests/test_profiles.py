@@ -109,6 +109,10 @@ LAB_LINES = {
         'paths = shards.tokenize_to_shards(train_texts, tokenizer, OUT / "shards")',
         "shards.make_loader(paths, profile.finetune_block_size, profile.finetune_batch_size, seed=seed,",
         "per_round = replace(finetune, steps=max(1, profile.finetune_steps // len(rounds_at)))",
+        'calibration = quant.calibration_blocks(tokenizer, load_corpus("wiki", "train"),',
+        "profile.prune_calibration_blocks, profile.calibration_block_size",
+        "for n in profile.prune_calibration_sizes:",
+        "wanda_half(calibration[:n])",
     ],
     "07_gptq_quantization": [
         'eval_texts = load_corpus("wiki", "validation")[: profile.eval_documents]',
@@ -266,6 +270,18 @@ def draws(p: profiles.Profile, corpus: dict, own_bpe_tokens) -> list[Draw]:
             "blocks per fine-tune (finetune_steps x finetune_batch_size), one epoch at most",
             p.finetune_steps * p.finetune_batch_size,
             loader_blocks(stream_tokens(train), p.finetune_block_size),
+        ),
+        Draw(
+            "06",
+            "Wanda / SparseGPT calibration windows from the train split",
+            p.prune_calibration_blocks,
+            stream_tokens(train) // p.calibration_block_size,
+        ),
+        Draw(
+            "06",
+            "calibration sizes tried, as slices of those windows",
+            max(p.prune_calibration_sizes),
+            p.prune_calibration_blocks,
         ),
     ]
     # Labs 07-08: GPTQ windows from train; lab 07 compares with as many held-out windows from validation.

@@ -10,10 +10,13 @@ zero point; each weight becomes an integer code q in [0, 2^bits - 1] standing fo
   H = 2 X Xᵀ / n of the layer's calibration inputs, which minimizes ‖WX − ŴX‖² column by column.
 - `nf4`: `quantize_nf4` / `quantize_model_nf4`, QLoRA's 4-bit NormalFloat with double quantization, from scratch
   in bitsandbytes' layout: 16 values at normal quantiles, one absmax per 64 weights, no calibration data.
+- `awq`: `awq_model`, activation-aware per-channel scales (the idea of AWQ) searched on calibration data and
+  folded into the operation before each layer, so that RTN (or GPTQ) afterwards rounds the salient weights finer.
 - `model`: `quantize_model`, the whole decoder, block by block: calibration activations flow through the
   blocks already quantized, so each block corrects for the error of those before it.
-- `packed`: `PackedLinear` / `pack_model`, the codes kept packed in memory and dequantized on the fly, in
-  the forward and the backward: a 4-bit base to train LoRA adapters on (QLoRA, lab 08).
+- `packed`: `PackedLinear` / `pack_model` (GPTQ or RTN codes) and `NF4Linear` / `pack_model_nf4`, the codes kept
+  packed in memory and dequantized on the fly, in the forward and the backward: a 4-bit base to train LoRA
+  adapters on (QLoRA, lab 08).
 - `checkpoint`: `save_gptq` / `load_gptq`, the classic "gptq" checkpoint (int32-packed qweight/qzeros,
   fp16 scales, g_idx, `quantization_config` in config.json) that transformers (through GPTQModel) and
   GPTQModel load; `load_gptq` also reads checkpoints that GPTQModel wrote.
@@ -24,6 +27,7 @@ The names below are those the labs, benchmarks and other labkit modules call as 
 is imported from its module (`from labkit.quant.gptq import ...`).
 """
 
+from labkit.quant.awq import awq_model
 from labkit.quant.cache import quantize_model_cached
 from labkit.quant.checkpoint import load_gptq, pack_rows, save_gptq
 from labkit.quant.formats import QuantConfig, bits_per_weight, grid, quantize_rtn
@@ -31,10 +35,13 @@ from labkit.quant.gptq import gptq_quantize, hessian_error, inverse_hessian_fact
 from labkit.quant.interop import gptq_kernels, gptqmodel_available, load_with_transformers, quantize_with_gptqmodel
 from labkit.quant.model import METHODS, calibration_blocks, input_hessian, quantize_model, weight_bytes
 from labkit.quant.nf4 import quantize_model_nf4, quantize_nf4
-from labkit.quant.packed import pack_model
+from labkit.quant.packed import NF4Linear, PackedLinear, pack_model, pack_model_nf4
 
 __all__ = [
     "METHODS",
+    "NF4Linear",
+    "PackedLinear",
+    "awq_model",
     "QuantConfig",
     "bits_per_weight",
     "calibration_blocks",
@@ -48,6 +55,7 @@ __all__ = [
     "load_gptq",
     "load_with_transformers",
     "pack_model",
+    "pack_model_nf4",
     "pack_rows",
     "quantize_column",
     "quantize_model",

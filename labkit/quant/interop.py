@@ -104,3 +104,71 @@ def gptq_kernels(model: nn.Module) -> dict[str, int]:
             if isinstance(m, BaseQuantLinear)
         )
     )
+
+
+# ----------------------------------------------------------------------------- bitsandbytes (NF4, QLoRA)
+
+
+def bitsandbytes_available() -> bool:
+    """Whether bitsandbytes (the `qlora` extra) can be imported."""
+    return importlib.util.find_spec("bitsandbytes") is not None
+
+
+def to_bnb_4bit(model: nn.Module, compute_dtype: torch.dtype = torch.float32, blocksize: int = 64) -> nn.Module:
+    """Every nn.Linear inside the decoder blocks swapped, in place, for bitsandbytes' `Linear4bit` (NF4 with double
+    quantization, as QLoRA loads a model): the library side of `quantize_model_nf4` + `pack_model_nf4`."""
+    import bitsandbytes as bnb
+
+    from labkit.torchutil import decoder_layers
+
+    for block in decoder_layers(model):
+        for name, linear in [(n, m) for n, m in block.named_modules() if isinstance(m, nn.Linear)]:
+            layer = bnb.nn.Linear4bit(
+                linear.in_features,
+                linear.out_features,
+                bias=linear.bias is not None,
+                compute_dtype=compute_dtype,
+                compress_statistics=True,
+                quant_type="nf4",
+                device="meta",
+            )
+            weight = linear.weight.detach().float().cpu()
+            layer.weight = bnb.nn.Params4bit(
+                weight, requires_grad=False, quant_type="nf4", blocksize=blocksize, compress_statistics=True
+            )
+            if linear.bias is not None:
+                layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+            layer = layer.to(linear.weight.device)  # bitsandbytes quantizes when the weight moves to its device
+            parent_name, _, child = name.rpartition(".")
+            setattr(block.get_submodule(parent_name) if parent_name else block, child, layer)
+    return model
+
+
+def nf4_from_bnb(layer: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """labkit's NF4Linear holding the very codes and scales of a quantized bitsandbytes `Linear4bit`."""
+    from labkit.quant.nf4 import NF4Weight
+    from labkit.quant.packed import NF4Linear
+
+    state = layer.weight.quant_state
+    if state is None or state.quant_type != "nf4":
+        raise ValueError("expected a quantized NF4 Linear4bit (move it to its device first: that quantizes it)")
+    nested = state.nested
+    q = NF4Weight(
+        layer.weight.data.reshape(-1),
+        state.absmax,
+        tuple(state.shape),
+        state.blocksize,
+        state.state2.absmax if nested else None,
+        float(state.offset) if nested else 0.0,
+    )
+    return NF4Linear(q, layer.bias, dtype=dtype)
+
+
+def from_bnb_4bit(model: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Every bitsandbytes `Linear4bit` of `model` swapped, in place, for labkit's NF4Linear with the same codes."""
+    import bitsandbytes as bnb
+
+    for name, layer in [(n, m) for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)]:
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, nf4_from_bnb(layer, dtype))
+    return model

@@ -14,6 +14,7 @@ double quantization of the scales, in the byte layout of bitsandbytes.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -31,6 +32,16 @@ from labkit.torchutil import decoder_layers, is_int
 NF4_OFFSET = 0.9677083
 BLOCKSIZE = 64
 SCALE_BLOCKSIZE = 256  # scales per block of the double quantization
+
+
+@functools.cache
+def _nf4_grid() -> torch.Tensor:
+    return nf4_grid()
+
+
+@functools.cache
+def _dynamic_grid() -> torch.Tensor:
+    return dynamic_grid()
 
 
 def nf4_grid() -> torch.Tensor:
@@ -78,7 +89,7 @@ def quantize_blockwise(x: torch.Tensor, blocksize: int = SCALE_BLOCKSIZE) -> tup
 
 def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, blocksize: int = SCALE_BLOCKSIZE) -> torch.Tensor:
     """The values 8-bit dynamic codes stand for: grid value times its block's absmax."""
-    values = dynamic_grid()[codes.long()]
+    values = _dynamic_grid().to(codes.device)[codes.long()]
     return (_blocks(values, blocksize) * absmax[:, None]).reshape(-1)[: codes.numel()]
 
 
@@ -111,7 +122,7 @@ class NF4Weight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight the codes stand for: grid value times its block's scale, reshaped."""
-        values = nf4_grid()[self.codes().long()]
+        values = _nf4_grid().to(self.packed.device)[self.codes().long()]
         out = (_blocks(values, self.blocksize) * self.scales()[:, None]).reshape(-1)[: values.numel()]
         return out.reshape(self.shape).to(dtype)
 

@@ -1,18 +1,42 @@
 """Quantized codes kept packed in memory and dequantized on the fly, in the forward and the backward:
-a 4-bit base to train LoRA adapters on (QLoRA, lab 08)."""
+a 4-bit base to train LoRA adapters on (QLoRA, lab 08) — GPTQ/RTN codes (PackedLinear) or NF4 (NF4Linear)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from labkit.quant.formats import QuantizedWeight
 from labkit.quant.model import QuantizedModel
+from labkit.quant.nf4 import NF4Model, NF4Weight
 
 PACKABLE_BITS = (2, 4, 8)  # whole codes per byte; 3-bit codes are packed only in checkpoints
 
 
-class PackedLinear(nn.Module):
+class _DequantizingLinear(nn.Module):
+    """A frozen linear layer that stores its weight compressed and computes with `dequantize()`, on the fly."""
+
+    in_features: int
+    out_features: int
+    bias: nn.Parameter | None
+
+    def dequantize(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight (a fresh tensor: the layer stores only codes and scales)."""
+        return self.dequantize()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _DequantizedMatmul.apply(x, self)
+        return y if self.bias is None else y + self.bias
+
+
+class PackedLinear(_DequantizingLinear):
     """A frozen linear layer that keeps its codes packed in memory (two 4-bit codes per byte) and
     dequantizes them on the fly, in the forward and again in the backward, so the full-precision
     weight exists only one layer at a time: the memory saving QLoRA trains adapters on top of."""
@@ -55,24 +79,45 @@ class PackedLinear(nn.Module):
         g = self.g_idx.long()  # act-order: each column names its group
         return (codes - self.zeros[g].T.to(self.dtype)) * self.scales[g].T.to(self.dtype)
 
-    @property
-    def weight(self) -> torch.Tensor:
-        """The dequantized weight (a fresh tensor: the layer stores only the packed codes)."""
-        return self.dequantize()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _DequantizedMatmul.apply(x, self)
-        return y if self.bias is None else y + self.bias
-
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}"
+
+
+class NF4Linear(_DequantizingLinear):
+    """A frozen linear layer that keeps NF4 codes (two per byte, bitsandbytes' layout) and its block scales, and
+    dequantizes them on the fly in the forward and the backward: the base QLoRA trains adapters on. `dtype` is
+    the compute dtype the weight is dequantized to (fp32 on a CPU, bf16 on a GPU that has it)."""
+
+    def __init__(self, q: NF4Weight, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        if len(q.shape) != 2:
+            raise ValueError(f"NF4Linear holds a 2-D weight [out, in], got shape {q.shape}")
+        self.out_features, self.in_features = q.shape
+        self.blocksize, self.offset, self.dtype = q.blocksize, q.offset, dtype
+        self.register_buffer("packed", q.packed)
+        self.register_buffer("absmax", q.absmax)
+        self.register_buffer("absmax_scale", q.absmax_scale)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+
+    def nf4(self) -> NF4Weight:
+        """The stored codes and scales as an NF4Weight."""
+        shape = (self.out_features, self.in_features)
+        return NF4Weight(self.packed, self.absmax, shape, self.blocksize, self.absmax_scale, self.offset)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight [out, in] in the compute dtype."""
+        return self.nf4().dequantize(self.dtype)
+
+    def extra_repr(self) -> str:
+        dq = ", double quantized" if self.absmax_scale is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, nf4 blocks of {self.blocksize}{dq}"
 
 
 class _DequantizedMatmul(torch.autograd.Function):
     """x @ Wᵀ that saves nothing for the backward but the layer, and dequantizes W again there."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, layer: PackedLinear) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, layer: _DequantizingLinear) -> torch.Tensor:
         ctx.layer = layer
         return x @ layer.dequantize().to(x.dtype).T
 
@@ -87,12 +132,26 @@ def pack_model(qm: QuantizedModel) -> nn.Module:
         raise ValueError("nothing quantized to pack")
     if qm.config.bits not in PACKABLE_BITS:
         raise ValueError(f"PackedLinear packs {PACKABLE_BITS}-bit codes; this model has {qm.config.bits}-bit ones")
-    for name, q in qm.weights.items():
+    return _swap(qm.model, qm.weights, lambda q, linear: PackedLinear(q, linear.bias, dtype=linear.weight.dtype))
+
+
+def pack_model_nf4(result: NF4Model, dtype: torch.dtype | None = None) -> nn.Module:
+    """Swap each NF4-quantized linear of `result.model` for an NF4Linear, in place: the same outputs, ~1/7.8 the
+    bytes. `dtype` is the compute dtype (default: the replaced layer's)."""
+    if not result.weights:
+        raise ValueError("nothing quantized to pack")
+    return _swap(
+        result.model, result.weights, lambda q, linear: NF4Linear(q, linear.bias, dtype or linear.weight.dtype)
+    )
+
+
+def _swap(model: nn.Module, weights: dict, make: Callable[[Any, nn.Linear], nn.Module]) -> nn.Module:
+    """Replace each named nn.Linear of `model` by make(its quantized weight, the linear), on its device, in place."""
+    for name, q in weights.items():
         parent_name, _, child = name.rpartition(".")
-        parent = qm.model.get_submodule(parent_name)
+        parent = model.get_submodule(parent_name)
         linear = getattr(parent, child)
         if not isinstance(linear, nn.Linear):
             raise ValueError(f"{name} is a {type(linear).__name__}, not the nn.Linear that was quantized")
-        packed = PackedLinear(q, linear.bias, dtype=linear.weight.dtype).to(linear.weight.device)
-        setattr(parent, child, packed)
-    return qm.model
+        setattr(parent, child, make(q, linear).to(linear.weight.device))
+    return model
