@@ -127,6 +127,9 @@ EXPECTED: dict[str, dict[str, dict[str, Range]]] = {
             "perplexity, 50 % unstructured per layer": quality(490, 610),
             "perplexity, 2:4": quality(3200, 4000),
             "perplexity, 20 % of MLP channels by activation": quality(33, 39),  # 35.55 (AMD EPYC)
+            # 2 x 256 calibration tokens: 53.52 on the AMD EPYC VM. SparseGPT's Hessian is rank-deficient with so
+            # few tokens (86.7, worse than Wanda), so its smoke figure is printed, not held to a range
+            "perplexity, 50 % Wanda": quality(50, 57.5),
         },
         # MLP channels at 20 %: magnitude 330 k, Taylor 40.1, activation 36.87 (AMD EPYC)
         "cpu": {
@@ -134,6 +137,9 @@ EXPECTED: dict[str, dict[str, dict[str, Range]]] = {
             "perplexity, 50 % unstructured per layer": quality(520, 640),
             "perplexity, 2:4": quality(2100, 2650),
             "perplexity, 20 % of MLP channels by activation": quality(34.5, 40),
+            # the same 16 x 512 calibration windows as benchmarks/pruning_calibrated.py: 46.3 and 39.6 there
+            "perplexity, 50 % Wanda": quality(44, 49),
+            "perplexity, 50 % SparseGPT": quality(37.5, 42),
         },
     },
     "07": {

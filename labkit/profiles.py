@@ -37,7 +37,7 @@ class Profile:
     train_steps: int  # optimizer steps per training run in labs 02-03
     prune_sparsities: tuple[float, ...]  # unstructured sparsities swept in lab 06
     prune_ratios: tuple[float, ...]  # shares of MLP channels removed by structured pruning (lab 06)
-    calibrated_sparsities: tuple[float, ...]  # unstructured sparsities pruned by Wanda and SparseGPT (lab 06)
+    calibrated_sparsities: tuple[float | tuple[int, int], ...]  # pruned by Wanda and SparseGPT in lab 06; (n, m): N:M
     prune_calibration_blocks: int  # their calibration windows, of calibration_block_size tokens
     prune_calibration_sizes: tuple[int, ...]  # windows tried for Wanda's calibration-size sensitivity (lab 06)
     sensitivity_documents: int  # validation documents scored per sensitivity probe (lab 06)
@@ -121,7 +121,7 @@ PROFILES: dict[str, Profile] = {
             train_steps=40,
             prune_sparsities=(0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9),
             prune_ratios=(0.1, 0.2, 0.3),
-            calibrated_sparsities=(0.3, 0.5, 0.7),
+            calibrated_sparsities=(0.3, 0.5, 0.7, (2, 4)),
             prune_calibration_blocks=16,  # 8192 tokens, as benchmarks/pruning_calibrated.py
             prune_calibration_sizes=(1, 4, 16),
             sensitivity_documents=8,
@@ -163,7 +163,7 @@ PROFILES: dict[str, Profile] = {
             train_steps=100,
             prune_sparsities=(0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9),
             prune_ratios=(0.1, 0.2, 0.3, 0.4),
-            calibrated_sparsities=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7),
+            calibrated_sparsities=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, (2, 4)),
             prune_calibration_blocks=48,  # 49 k tokens: the gpu calibration windows
             prune_calibration_sizes=(1, 4, 16, 48),
             sensitivity_documents=64,
