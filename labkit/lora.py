@@ -20,7 +20,7 @@ from torch import nn
 
 from labkit import assets, bench, tasks, train
 from labkit.models import count_parameters
-from labkit.torchutil import environ, is_int, is_number, quiet
+from labkit.torchutil import environ, is_int, is_number, quiet, replace_module
 
 ALL_LINEAR = "all-linear"
 
@@ -136,10 +136,8 @@ def add_lora(
     model.requires_grad_(False)
     adapters = {}
     for name in chosen:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        adapters[name] = LoRALinear(getattr(parent, child), r=r, alpha=alpha, dropout=dropout)
-        setattr(parent, child, adapters[name])
+        adapters[name] = LoRALinear(model.get_submodule(name), r=r, alpha=alpha, dropout=dropout)
+        replace_module(model, name, adapters[name])
     return adapters
 
 
@@ -147,8 +145,7 @@ def merge_lora(model: nn.Module) -> nn.Module:
     """Replace every LoRALinear by its merged nn.Linear, in place."""
     for name, module in list(model.named_modules()):
         if isinstance(module, LoRALinear):
-            parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name) if parent_name else model, child, module.merged())
+            replace_module(model, name, module.merged())
     return model
 
 

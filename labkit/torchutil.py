@@ -55,6 +55,12 @@ def vocab_size(model: nn.Module) -> int | None:
     return getattr(embedding, "num_embeddings", None)
 
 
+def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Put `module` where the submodule called `name` (dotted, as named_modules gives it) is, in place."""
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The repeated transformer blocks of a causal LM (Llama/SmolLM2, OPT, GPT-NeoX, GPT-2, Qwen, Mistral ...)."""
     for path in _DECODER_PATHS:

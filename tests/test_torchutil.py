@@ -88,3 +88,17 @@ def test_token_ids_are_checked_against_the_embedding_and_skipped_without_one():
         torchutil.check_token_ids(torch.tensor([[3, 40]]), 40)
     with pytest.raises(ValueError, match="token id -2"):
         torchutil.check_token_ids(torch.tensor([-2, 5]), 40)
+
+
+def test_replace_module_puts_the_new_module_at_a_dotted_name_or_at_the_top():
+    from labkit.torchutil import replace_module
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(3, 1)))
+    new = torch.nn.Linear(3, 1)
+    replace_module(model, "1.1", new)
+    assert model[1][1] is new and isinstance(model[1][0], torch.nn.ReLU)
+    top = torch.nn.Identity()
+    replace_module(model, "0", top)
+    assert model[0] is top
+    with pytest.raises(AttributeError):
+        replace_module(model, "2.0", new)

@@ -30,8 +30,8 @@ from labkit.prune.masks import (
     apply_masks,
 )
 from labkit.quant.gptq import inverse_hessian_factor
-from labkit.quant.model import calibrated_sweep
-from labkit.torchutil import check_token_ids, decoder_layers, eval_mode, vocab_size
+from labkit.quant.model import calibrated_sweep, check_calibration
+from labkit.torchutil import decoder_layers, eval_mode
 
 Sparsity = float | tuple[int, int]
 
@@ -121,12 +121,7 @@ def sparsegpt_weight(
 def _check_args(model: nn.Module, calibration: Any, sparsity: Sparsity, batch_size: int) -> tuple[int, int] | None:
     """Everything a whole-model sweep could trip over, checked before any weight changes; returns the N:M pattern."""
     _, nm = _pattern(sparsity)
-    if not isinstance(calibration, torch.Tensor) or calibration.dim() != 2 or calibration.dtype != torch.long:
-        raise ValueError(
-            "calibrated pruning needs calibration token ids as a [n_blocks, block_size] long tensor "
-            "(labkit.quant.calibration_blocks makes one)"
-        )
-    check_token_ids(calibration, vocab_size(model), "calibration ids")
+    check_calibration(model, calibration, "calibrated pruning")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     for name, m in decoder_layers(model).named_modules():

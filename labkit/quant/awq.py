@@ -21,8 +21,8 @@ from torch import nn
 
 from labkit.quant.formats import QuantConfig, quantize_rtn
 from labkit.quant.gptq import hessian_error
-from labkit.quant.model import calibrated_sweep
-from labkit.torchutil import check_token_ids, eval_mode, vocab_size
+from labkit.quant.model import calibrated_sweep, check_calibration
+from labkit.torchutil import eval_mode
 
 GRID = 20  # α ∈ {0, 1/20, …, 19/20}, as in AWQ
 # Llama-style blocks: the layers that read one input, and the operation whose output that input is. o_proj's
@@ -33,6 +33,11 @@ PREDECESSORS = {
     "mlp.gate_proj": "post_attention_layernorm",
     "mlp.down_proj": "mlp.up_proj",
 }
+
+
+def _check_grid(grid: int) -> None:
+    if not isinstance(grid, int) or grid < 1:
+        raise ValueError(f"grid must be a positive int, got {grid!r}")
 
 
 def activation_scale(hessian: torch.Tensor) -> torch.Tensor:
@@ -50,8 +55,7 @@ def search_scale(
 ) -> tuple[torch.Tensor, float, list[float]]:
     """The per-input-channel scale s = rms(x)^α (normalized so that max·min = 1) whose scaled RTN has the least
     output error tr(ΔW H ΔWᵀ) on the calibration inputs; returns (s, α, the error at every α tried)."""
-    if not isinstance(grid, int) or grid < 1:
-        raise ValueError(f"grid must be a positive int, got {grid!r}")
+    _check_grid(grid)
     w = weight.detach().float()
     act = activation_scale(hessian).clamp(min=1e-8)
     best, errors = None, []
@@ -111,11 +115,8 @@ def awq_model(
     quantize it with `quantize_model(..., method="rtn")` (or GPTQ). The source model is copied unless `inplace`."""
     if not isinstance(cfg, QuantConfig):
         raise TypeError(f"cfg must be a QuantConfig, got {type(cfg).__name__}")
-    if not isinstance(calibration, torch.Tensor) or calibration.dim() != 2 or calibration.dtype != torch.long:
-        raise ValueError("calibration must be token ids as a [n_blocks, block_size] long tensor")
-    check_token_ids(calibration, vocab_size(model), "calibration ids")
-    if not isinstance(grid, int) or grid < 1:
-        raise ValueError(f"grid must be a positive int, got {grid!r}")
+    check_calibration(model, calibration, "AWQ-style scaling")
+    _check_grid(grid)
     if not inplace:
         model = copy.deepcopy(model)
     result = AWQResult(model)

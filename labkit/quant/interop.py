@@ -16,7 +16,7 @@ from torch import nn
 
 from labkit import assets
 from labkit.quant.formats import QuantConfig
-from labkit.torchutil import environ, quiet
+from labkit.torchutil import decoder_layers, environ, quiet, replace_module
 
 
 def gptqmodel_available() -> bool:
@@ -119,8 +119,6 @@ def to_bnb_4bit(model: nn.Module, compute_dtype: torch.dtype = torch.float32, bl
     quantization, as QLoRA loads a model): the library side of `quantize_model_nf4` + `pack_model_nf4`."""
     import bitsandbytes as bnb
 
-    from labkit.torchutil import decoder_layers
-
     for block in decoder_layers(model):
         for name, linear in [(n, m) for n, m in block.named_modules() if isinstance(m, nn.Linear)]:
             layer = bnb.nn.Linear4bit(
@@ -138,9 +136,8 @@ def to_bnb_4bit(model: nn.Module, compute_dtype: torch.dtype = torch.float32, bl
             )
             if linear.bias is not None:
                 layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
-            layer = layer.to(linear.weight.device)  # bitsandbytes quantizes when the weight moves to its device
-            parent_name, _, child = name.rpartition(".")
-            setattr(block.get_submodule(parent_name) if parent_name else block, child, layer)
+            # bitsandbytes quantizes when the weight moves to its device
+            replace_module(block, name, layer.to(linear.weight.device))
     return model
 
 
@@ -169,6 +166,5 @@ def from_bnb_4bit(model: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Mo
     import bitsandbytes as bnb
 
     for name, layer in [(n, m) for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)]:
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, nf4_from_bnb(layer, dtype))
+        replace_module(model, name, nf4_from_bnb(layer, dtype))
     return model

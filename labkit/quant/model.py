@@ -46,6 +46,16 @@ def calibration_blocks(tokenizer, texts: Sequence[str], n_blocks: int, block_siz
     return torch.from_numpy(blocks[np.sort(chosen)].copy())
 
 
+def check_calibration(model: nn.Module, calibration: Any, who: str) -> None:
+    """Calibration must be token ids of `model`'s vocabulary as a [n_blocks, block_size] long tensor."""
+    if not isinstance(calibration, torch.Tensor) or calibration.dim() != 2 or calibration.dtype != torch.long:
+        raise ValueError(
+            f"{who} needs calibration token ids as a [n_blocks, block_size] long tensor "
+            "(labkit.quant.calibration_blocks makes one)"
+        )
+    check_token_ids(calibration, vocab_size(model), "calibration ids")
+
+
 class _Stop(Exception):
     """Raised by a hook once it has what it came for, to cut a forward pass short."""
 
@@ -224,12 +234,7 @@ def quantize_model(
         cfg.width(m.in_features)  # fail before any work if a group size does not fit
     tokens = 0
     if method == "gptq":
-        if not isinstance(calibration, torch.Tensor) or calibration.dim() != 2 or calibration.dtype != torch.long:
-            raise ValueError(
-                "GPTQ needs calibration token ids as a [n_blocks, block_size] long tensor "
-                "(labkit.quant.calibration_blocks makes one)"
-            )
-        check_token_ids(calibration, vocab_size(model), "calibration ids")
+        check_calibration(model, calibration, "GPTQ")
         tokens = calibration.numel()
         widest = max(m.in_features for m in linears)
         if tokens < widest:

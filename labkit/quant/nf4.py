@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from labkit.quant.model import _layers_prefix
 from labkit.torchutil import decoder_layers, is_int
 
 # The outermost quantile used for the grid's ends: midway between 1 - 1/(2·15) and 1 - 1/(2·16) (the two
@@ -80,7 +81,7 @@ def quantize_blockwise(x: torch.Tensor, blocksize: int = SCALE_BLOCKSIZE) -> tup
     blocks = _blocks(flat, blocksize)
     absmax = blocks.abs().amax(dim=1)
     normed = (blocks / absmax.clamp(min=torch.finfo(torch.float32).tiny)[:, None]).reshape(-1)[: flat.numel()]
-    grid = dynamic_grid()
+    grid = _dynamic_grid()
     upper = torch.bucketize(normed, grid).clamp(1, len(grid) - 1)  # first code >= x
     lower = upper - 1
     nearer_upper = (grid[upper] - normed).abs() < (normed - grid[lower]).abs()
@@ -158,7 +159,7 @@ def quantize_nf4(
     blocks = flat.view(-1, blocksize)
     absmax = blocks.abs().amax(dim=1)
     normed = (blocks * (1.0 / absmax.clamp(min=1e-38))[:, None]).clamp(-1, 1).reshape(-1)
-    grid = nf4_grid()
+    grid = _nf4_grid()
     codes = torch.bucketize(normed, (grid[:-1] + grid[1:]) / 2).to(torch.uint8)  # nearest; ties to the lower
     packed = (codes[0::2] << 4) | codes[1::2]
     shape = tuple(weight.shape)
@@ -196,7 +197,7 @@ def quantize_model_nf4(
     if not inplace:
         model = copy.deepcopy(model)
     layers = decoder_layers(model)
-    prefix = next(name for name, m in model.named_modules() if m is layers)
+    prefix = _layers_prefix(model, layers)
     weights: dict[str, NF4Weight] = {}
     start = time.perf_counter()
     for i, block in enumerate(tqdm(layers, desc="NF4", disable=not progress, leave=False)):

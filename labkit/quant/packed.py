@@ -12,6 +12,7 @@ from torch import nn
 from labkit.quant.formats import QuantizedWeight
 from labkit.quant.model import QuantizedModel
 from labkit.quant.nf4 import NF4Model, NF4Weight
+from labkit.torchutil import replace_module
 
 PACKABLE_BITS = (2, 4, 8)  # whole codes per byte; 3-bit codes are packed only in checkpoints
 
@@ -148,10 +149,8 @@ def pack_model_nf4(result: NF4Model, dtype: torch.dtype | None = None) -> nn.Mod
 def _swap(model: nn.Module, weights: dict, make: Callable[[Any, nn.Linear], nn.Module]) -> nn.Module:
     """Replace each named nn.Linear of `model` by make(its quantized weight, the linear), on its device, in place."""
     for name, q in weights.items():
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        linear = getattr(parent, child)
+        linear = model.get_submodule(name)
         if not isinstance(linear, nn.Linear):
             raise ValueError(f"{name} is a {type(linear).__name__}, not the nn.Linear that was quantized")
-        setattr(parent, child, make(q, linear).to(linear.weight.device))
+        replace_module(model, name, make(q, linear).to(linear.weight.device))
     return model
