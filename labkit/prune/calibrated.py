@@ -89,14 +89,31 @@ def sparsegpt_weight(
     share, nm = _pattern(sparsity)
     _check_layer(weight, hessian, nm)
     _check_block_size(block_size, nm)
-    cols = weight.shape[1]
+    return _sparsegpt(weight, _inverse_factor(hessian, damp, weight), share, nm, block_size)
+
+
+def _inverse_factor(hessian: torch.Tensor, damp: float, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ's inverse-Hessian factor on `weight`'s device in SparseGPT's working dtype, and the dead inputs
+    (zero throughout calibration)."""
     work = torch.float64 if weight.dtype == torch.float64 else torch.float32  # float64 in, float64 throughout
-    w = weight.detach().to(work, copy=True)
-    h = hessian.detach().to(device=w.device, dtype=work, copy=True)
-    dead = h.diagonal() == 0  # inputs that were zero throughout calibration carry nothing: their weights go
+    h = hessian.detach().to(device=weight.device, dtype=work, copy=True)
+    dead = h.diagonal() == 0
     h[dead, dead] = 1.0
-    w[:, dead] = 0.0
-    u = inverse_hessian_factor(h, damp)
+    return inverse_hessian_factor(h, damp), dead
+
+
+def _sparsegpt(
+    weight: torch.Tensor,
+    factor: tuple[torch.Tensor, torch.Tensor],
+    share: float | None,
+    nm: tuple[int, int] | None,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SparseGPT's sweep over one weight, given the factor of its inputs' inverse Hessian (shared by a group)."""
+    u, dead = factor
+    cols = weight.shape[1]
+    w = weight.detach().to(u.dtype, copy=True)
+    w[:, dead] = 0.0  # inputs that were zero throughout calibration carry nothing: their weights go
     keep = torch.ones_like(w, dtype=torch.bool)
     for b0 in range(0, cols, block_size):
         b1 = min(b0 + block_size, cols)
@@ -159,13 +176,17 @@ def calibrated_prune(
     _check_block_size(block_size, nm)
     masks: dict[str, torch.Tensor] = {}
 
+    share, _ = _pattern(sparsity)
+
     def solve(names: list[str], modules: list[nn.Linear], hessian: torch.Tensor) -> None:
+        # the layers of a group read the same input: one Hessian, and for SparseGPT one factor of its inverse
+        factor = _inverse_factor(hessian, damp, modules[0].weight) if method == "sparsegpt" else None
         for name, m in zip(names, modules):  # pruned in place: the next layers' inputs come from the pruned ones
             if method == "wanda":
                 masks[name] = wanda_mask(m.weight, hessian, sparsity)
                 m.weight.data = m.weight.detach() * masks[name]
             else:
-                pruned, masks[name] = sparsegpt_weight(m.weight, hessian, sparsity, damp=damp, block_size=block_size)
+                pruned, masks[name] = _sparsegpt(m.weight, factor, share, nm, block_size)
                 m.weight.data = pruned
 
     with eval_mode(model):

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from labkit.quant.formats import QuantConfig, quantize_rtn
-from labkit.quant.gptq import hessian_error
+from labkit.quant.gptq import relative_errors
 from labkit.quant.model import calibrated_sweep, check_calibration
 from labkit.torchutil import eval_mode
 
@@ -58,12 +58,13 @@ def search_scale(
     _check_grid(grid)
     w = weight.detach().float()
     act = activation_scale(hessian).clamp(min=1e-8)
+    error = relative_errors(w, hessian)
     best, errors = None, []
     for step in range(grid):
         alpha = step / grid
         s = act**alpha
         s = s / (s.max() * s.min()).sqrt()  # centre the scales around 1 (on a log scale)
-        err = hessian_error(w, scaled_rtn(w, s, cfg), hessian)
+        err = error(scaled_rtn(w, s, cfg))
         errors.append(err)
         if best is None or err < best[2]:
             best = (s, alpha, err)

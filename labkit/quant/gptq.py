@@ -4,6 +4,8 @@ of the layer's calibration inputs, which minimizes ‖WX − ŴX‖² column by 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from labkit.quant.formats import QuantConfig, QuantizedWeight, _check_weight, grid
@@ -11,12 +13,20 @@ from labkit.quant.formats import QuantConfig, QuantizedWeight, _check_weight, gr
 
 def hessian_error(weight: torch.Tensor, quantized: torch.Tensor, hessian: torch.Tensor) -> float:
     """Relative output error tr(ΔW H ΔWᵀ) / tr(W H Wᵀ) = ‖(W − Ŵ)X‖² / ‖WX‖² on the calibration inputs."""
+    return relative_errors(weight, hessian)(quantized)
+
+
+def relative_errors(weight: torch.Tensor, hessian: torch.Tensor) -> Callable[[torch.Tensor], float]:
+    """`hessian_error` against one weight and Hessian for many candidates: tr(W H Wᵀ) is computed once."""
     w = weight.detach().float()
-    delta = w - quantized.float().to(w.device)
     h = hessian.float().to(w.device)
-    num = ((delta @ h) * delta).sum()
     den = ((w @ h) * w).sum().clamp(min=1e-30)
-    return float(num / den)
+
+    def error(quantized: torch.Tensor) -> float:
+        delta = w - quantized.float().to(w.device)
+        return float(((delta @ h) * delta).sum() / den)
+
+    return error
 
 
 def inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from labkit.data import pack_blocks
 from labkit.evaluate import token_stream
 from labkit.quant.formats import QuantConfig, QuantizedWeight, bits_per_weight, quantize_rtn
-from labkit.quant.gptq import gptq_quantize, hessian_error
+from labkit.quant.gptq import gptq_quantize, relative_errors
 from labkit.torchutil import check_token_ids, decoder_layers, eval_mode, vocab_size
 
 METHODS = ("rtn", "gptq")
@@ -286,8 +286,9 @@ def _store(
     """Write the dequantized weight into the module and record the codes and the errors."""
     original = module.weight.detach()
     deq = q.dequantize().to(original.device)
-    err = hessian_error(original, deq, hessian) if hessian is not None else float("nan")
-    rtn_err = hessian_error(original, rtn.dequantize().to(original.device), hessian) if rtn is not None else None
+    error = relative_errors(original, hessian) if hessian is not None else lambda _: float("nan")
+    err = error(deq)
+    rtn_err = error(rtn.dequantize().to(original.device)) if rtn is not None else None
     module.weight.data = deq.to(original.dtype)
     result.weights[name] = q
     result.layers.append(LayerRecord(name, tuple(original.shape), err, rtn_err, seconds))

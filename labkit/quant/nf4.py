@@ -45,6 +45,13 @@ def _dynamic_grid() -> torch.Tensor:
     return dynamic_grid()
 
 
+@functools.cache
+def _byte_values() -> torch.Tensor:
+    """[256, 2]: the two NF4 values each packed byte holds, high nibble first."""
+    grid = _nf4_grid()
+    return torch.stack([grid.repeat_interleave(16), grid.repeat(16)], dim=1)
+
+
 def nf4_grid() -> torch.Tensor:
     """The 16 NF4 values, sorted: 7 negative and 8 positive quantiles of N(0, 1) and an exact zero, scaled to ±1."""
     positive = torch.special.ndtri(torch.linspace(NF4_OFFSET, 0.5, 9)[:-1].double())
@@ -123,9 +130,9 @@ class NF4Weight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight the codes stand for: grid value times its block's scale, reshaped."""
-        values = _nf4_grid().to(self.packed.device)[self.codes().long()]
-        out = (_blocks(values, self.blocksize) * self.scales()[:, None]).reshape(-1)[: values.numel()]
-        return out.reshape(self.shape).to(dtype)
+        # one lookup per byte yields both its values: half the gathers of one per code, and no unpacking
+        values = torch.nn.functional.embedding(self.packed.int(), _byte_values().to(self.packed.device))
+        return values.view(-1, self.blocksize).mul_(self.scales()[:, None]).view(self.shape).to(dtype)
 
     @property
     def nbytes(self) -> int:
