@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -9,7 +11,7 @@ from labkit.models import tiny_llama
 from labkit.quant.formats import QuantConfig, quantize_rtn
 from labkit.quant.gptq import gptq_quantize
 from labkit.quant.model import quantize_model
-from labkit.quant.packed import PackedLinear, pack_model
+from labkit.quant.packed import CastEmbedding, CastLinear, PackedLinear, pack_model, store_embeddings
 from tests.numerics import FLOAT64
 
 
@@ -70,3 +72,45 @@ def test_pack_model_gives_the_same_logits_in_an_eighth_of_the_bytes():
     assert len(packed) == len(qm.weights) == 2 * 7
     codes = sum(m.packed.numel() for m in packed)
     assert codes * 2 == sum(q.codes.numel() for q in qm.weights.values())  # 4 bits: half a byte per weight
+
+
+def _rounded_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """The reference: the same model with its embedding and LM head weights rounded to `dtype` and back."""
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for m in (ref.get_input_embeddings(), ref.get_output_embeddings()):
+            m.weight.copy_(m.weight.to(dtype).float())
+    return ref
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("storage", [torch.bfloat16, torch.float16])
+def test_store_embeddings_computes_as_the_rounded_model_in_half_the_bytes(tied, storage):
+    model = tiny_llama(tie_word_embeddings=tied)
+    reference = _rounded_copy(model, storage)
+    before = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    stored = store_embeddings(model, storage)
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    hidden = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    hidden_ref = hidden.detach().clone().requires_grad_(True)
+    with torch.no_grad():
+        assert torch.equal(stored(ids).logits, reference(ids).logits)
+    stored.get_output_embeddings()(hidden).square().sum().backward()  # the head's backward casts again
+    reference.get_output_embeddings()(hidden_ref).square().sum().backward()
+    torch.testing.assert_close(hidden.grad, hidden_ref.grad)
+    embedding, head = stored.get_input_embeddings(), stored.get_output_embeddings()
+    assert isinstance(embedding, CastEmbedding) and isinstance(head, CastLinear)
+    assert (head.stored is embedding.weight) == tied
+    assert not embedding.weight.requires_grad and not head.stored.requires_grad
+    after = sum(p.numel() * p.element_size() for p in {id(p): p for p in stored.parameters()}.values())
+    saved = 512 * 64 * 2 * (1 if tied else 2)  # 4 -> 2 bytes per number, one tensor when tied
+    assert before - after == saved
+
+
+def test_store_embeddings_refuses_other_dtypes_and_a_second_call():
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="storage"):
+        store_embeddings(model, torch.int8)
+    store_embeddings(model)
+    with pytest.raises(ValueError, match="stored already"):
+        store_embeddings(model)

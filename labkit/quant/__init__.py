@@ -35,7 +35,7 @@ from labkit.quant.gptq import gptq_quantize, hessian_error, inverse_hessian_fact
 from labkit.quant.interop import gptq_kernels, gptqmodel_available, load_with_transformers, quantize_with_gptqmodel
 from labkit.quant.model import METHODS, calibration_blocks, input_hessian, quantize_model, weight_bytes
 from labkit.quant.nf4 import quantize_model_nf4, quantize_nf4
-from labkit.quant.packed import NF4Linear, PackedLinear, pack_model, pack_model_nf4
+from labkit.quant.packed import NF4Linear, PackedLinear, pack_model, pack_model_nf4, store_embeddings
 
 __all__ = [
     "METHODS",
@@ -65,5 +65,6 @@ __all__ = [
     "quantize_rtn",
     "quantize_with_gptqmodel",
     "save_gptq",
+    "store_embeddings",
     "weight_bytes",
 ]

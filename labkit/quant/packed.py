@@ -114,6 +114,62 @@ class NF4Linear(_DequantizingLinear):
         return f"in_features={self.in_features}, out_features={self.out_features}, nf4 blocks of {self.blocksize}{dq}"
 
 
+class CastLinear(_DequantizingLinear):
+    """A frozen linear layer whose weight is stored in a narrower float (bf16) and cast to the compute dtype on
+    use, in the forward and the backward: a tied LM head shares its stored weight with the input embedding."""
+
+    def __init__(self, stored: nn.Parameter, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.out_features, self.in_features = stored.shape
+        self.stored, self.dtype = stored, dtype
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight [out, in] in the compute dtype."""
+        return self.stored.to(self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, stored as {self.stored.dtype}"
+
+
+class CastEmbedding(nn.Module):
+    """A frozen embedding stored in a narrower float (bf16) whose looked-up rows come out in the compute dtype."""
+
+    def __init__(self, embedding: nn.Embedding, storage: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(embedding.weight.detach().to(storage), requires_grad=False)
+        self.padding_idx, self.dtype = embedding.padding_idx, embedding.weight.dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(ids, self.weight, self.padding_idx).to(self.dtype)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.weight.shape[0]}, {self.weight.shape[1]}, stored as {self.weight.dtype}, computes in {self.dtype}"
+        )
+
+
+def store_embeddings(model: nn.Module, storage: torch.dtype = torch.bfloat16) -> nn.Module:
+    """Keep the frozen input embedding and LM head (one tensor when tied) in `storage`, cast to the compute dtype
+    on use, in place: QLoRA's base holds what it does not quantize in 16 bits (on SmolLM2 the tied embedding is
+    21 % of the parameters). Only the stored bytes change: the model computes as one whose embedding was
+    rounded to `storage`."""
+    if storage not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"storage must be torch.bfloat16 or torch.float16, got {storage}")
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if not isinstance(embedding, nn.Embedding) or not isinstance(head, nn.Linear):
+        raise ValueError(
+            f"expected an nn.Embedding and an nn.Linear LM head, got {type(embedding).__name__} and "
+            f"{type(head).__name__} (stored already?)"
+        )
+    names = {id(m): name for name, m in model.named_modules()}
+    cast = CastEmbedding(embedding, storage)
+    stored = cast.weight if head.weight is embedding.weight else nn.Parameter(head.weight.detach().to(storage), False)
+    replace_module(model, names[id(embedding)], cast)
+    replace_module(model, names[id(head)], CastLinear(stored, head.bias, head.weight.dtype))
+    return model
+
+
 class _DequantizedMatmul(torch.autograd.Function):
     """x @ Wᵀ that saves nothing for the backward but the layer, and dequantizes W again there."""
 
