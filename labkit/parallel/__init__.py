@@ -1,4 +1,4 @@
-"""Training across processes and GPUs, one module per idea (labs 04 and 05):
+"""Training across processes and GPUs, one module per idea (labs 04, 05 and 09):
 
 - `launch`: where the ranks run (a GPU each on NCCL, else CPU on gloo), `rank_context` inside a torchrun
   worker, and `launch`, the torchrun launcher a notebook calls. The base: the others may import it.
@@ -7,4 +7,6 @@
 - `tensor`: Megatron-style tensor parallelism of one MLP.
 - `pipeline`: Llama pipeline stages, GPipe / 1F1B orders, timelines and the bubble.
 - `slurm`: an sbatch script that runs torchrun on many nodes.
+- `memory`: what one rank holds under DDP, ZeRO-1/2/3, activation checkpointing and offload (lab 09).
+- `zero`: ZeRO-1 from scratch, AdamW's state sharded over the ranks (lab 09).
 """

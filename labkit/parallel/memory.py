@@ -1,0 +1,149 @@
+"""What one rank holds to train a model: the arithmetic of ZeRO (Rajbhandari et al., 2020) for DDP, ZeRO-1/2/3
+(FSDP), activation checkpointing and CPU offload — the predictions lab 09 measures against.
+
+Per parameter, training with AdamW holds the weight as computed with (p bytes), its gradient (g), in mixed
+precision an fp32 master copy (m) and two fp32 moments (8). Over N data-parallel ranks:
+
+    DDP      (p + g + m + 8) Ψ          every rank holds everything
+    ZeRO-1   (p + g) Ψ + (m + 8) Ψ / N  optimizer state sharded
+    ZeRO-2   p Ψ + (g + m + 8) Ψ / N    gradients too (reduce-scattered, not all-reduced)
+    ZeRO-3   (p + g + m + 8) Ψ / N      parameters too (FSDP): each unit all-gathered just before it is used
+
+Activations come on top and do not shrink with N (each rank runs its own batch); activation checkpointing
+keeps only each block's input and recomputes the rest during the backward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from labkit.torchutil import is_int
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+
+
+@dataclass(frozen=True)
+class DtypePolicy:
+    """Bytes per parameter: the weight computed with, its gradient, an fp32 master copy, the optimizer state."""
+
+    param: int = 4
+    grad: int = 4
+    master: int = 0  # 4 in mixed precision (bf16/fp16 weights, fp32 master), 0 in plain fp32
+    optimizer: int = 8  # AdamW's two fp32 moments
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not is_int(value) or value < 0:
+                raise ValueError(f"{f.name} must be a non-negative number of bytes, got {value!r}")
+
+
+FP32 = DtypePolicy()
+MIXED = DtypePolicy(param=2, grad=2, master=4, optimizer=8)  # bf16 compute, fp32 master and moments
+
+
+@dataclass(frozen=True)
+class RankBytes:
+    """Bytes one rank holds on its device for training, by kind; what is offloaded sits in host memory."""
+
+    parameters: int
+    gradients: int
+    optimizer: int  # moments and, in mixed precision, the fp32 master weights
+    activations: int = 0
+    offloaded: int = 0  # host memory (CPU offload), not counted in `total`
+
+    @property
+    def state(self) -> int:
+        """Parameters, gradients and optimizer state: what ZeRO shards."""
+        return self.parameters + self.gradients + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return self.state + self.activations
+
+
+def state_bytes(
+    n_params: int, strategy: str, world: int, policy: DtypePolicy = FP32, *, offload: bool = False
+) -> RankBytes:
+    """Per-rank bytes of parameters, gradients and optimizer state for `n_params` parameters over `world` ranks.
+
+    Shards are ceil(Ψ / N): a rank holds at most that many. With `offload` (ZeRO-3 only, as FSDP's
+    CPUOffloadPolicy), the sharded parameters, gradients and optimizer state live in host memory; the device
+    holds only the units gathered for compute, which `gathered_bytes` adds.
+    """
+    _check_count("n_params", n_params)
+    _check_count("world", world, minimum=1)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if offload and strategy != "zero3":
+        raise ValueError("offload applies to zero3 (FSDP's CPUOffloadPolicy), not to " + strategy)
+    shard = math.ceil(n_params / world)
+    sharded = STRATEGIES.index(strategy)  # 0: nothing, 1: optimizer, 2: + gradients, 3: + parameters
+    params = (shard if sharded >= 3 else n_params) * policy.param
+    grads = (shard if sharded >= 2 else n_params) * policy.grad
+    optimizer = (shard if sharded >= 1 else n_params) * (policy.master + policy.optimizer)
+    if offload:
+        return RankBytes(0, 0, 0, offloaded=params + grads + optimizer)
+    return RankBytes(params, grads, optimizer)
+
+
+def gathered_bytes(unit_params: int, policy: DtypePolicy = FP32, prefetch: int = 1) -> int:
+    """ZeRO-3's transient: the full parameters and gradients of the unit being computed (and of the `prefetch`
+    next ones being gathered), on top of the shards; with per-block units, a few blocks' worth."""
+    _check_count("unit_params", unit_params)
+    _check_count("prefetch", prefetch)
+    return unit_params * (policy.param * (1 + prefetch) + policy.grad)
+
+
+def activation_bytes(
+    per_token_per_block: int,
+    tokens: int,
+    blocks: int,
+    *,
+    checkpointing: bool = False,
+    block_input_per_token: int = 0,
+    outside_blocks_per_token: int = 0,
+) -> int:
+    """Bytes saved for the backward over `tokens` tokens (batch × sequence) of one rank.
+
+    Without checkpointing every block keeps what autograd saves (`per_token_per_block`, measured with
+    `bench.saved_for_backward`); with it, each block keeps only its input (`block_input_per_token`: hidden size ×
+    bytes) and one block's activations exist at a time, while it is recomputed. `outside_blocks_per_token`
+    covers the embedding, final norm and logits, which no block checkpoint removes.
+    """
+    for name, value in (
+        ("per_token_per_block", per_token_per_block),
+        ("tokens", tokens),
+        ("blocks", blocks),
+        ("block_input_per_token", block_input_per_token),
+        ("outside_blocks_per_token", outside_blocks_per_token),
+    ):
+        _check_count(name, value)
+    if checkpointing:
+        inside = blocks * block_input_per_token + per_token_per_block
+    else:
+        inside = blocks * per_token_per_block
+    return tokens * (inside + outside_blocks_per_token)
+
+
+def largest_model(
+    budget_bytes: int, strategy: str, world: int, policy: DtypePolicy = FP32, *, reserved_bytes: int = 0
+) -> int:
+    """The most parameters whose training state fits `budget_bytes` per rank after `reserved_bytes` (activations,
+    gathered units, the framework): the extrapolation table of lab 09."""
+    _check_count("budget_bytes", budget_bytes)
+    _check_count("reserved_bytes", reserved_bytes)
+    room = budget_bytes - reserved_bytes
+    per_param = state_bytes(world, strategy, world, policy).state / world  # bytes per parameter per rank
+    if per_param == 0:
+        raise ValueError("the policy holds no bytes per parameter: any model fits")
+    n = max(0, int(room // per_param))
+    while n and state_bytes(n, strategy, world, policy).state > room:  # shards round up: at most `world` steps
+        n -= 1
+    return n
+
+
+def _check_count(name: str, value: int, minimum: int = 0) -> None:
+    if not is_int(value) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
