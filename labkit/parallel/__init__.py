@@ -9,4 +9,5 @@
 - `slurm`: an sbatch script that runs torchrun on many nodes.
 - `memory`: what one rank holds under DDP, ZeRO-1/2/3, activation checkpointing and offload (lab 09).
 - `zero`: ZeRO-1 from scratch, AdamW's state sharded over the ranks (lab 09).
+- `comm`: bytes per collective, counted where torch calls them; gradient compression for DDP (lab 09).
 """
