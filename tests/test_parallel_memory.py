@@ -93,3 +93,19 @@ def test_bad_arguments_are_refused_by_name():
         DtypePolicy(master=-4)
     with pytest.raises(ValueError, match="tokens"):
         activation_bytes(10, 2.5, 3)
+
+
+def test_held_bytes_counts_a_tied_weight_once_and_the_optimizer_moments():
+    import torch
+
+    from labkit.models import tiny_llama
+    from labkit.parallel.memory import held_bytes
+
+    model = tiny_llama()  # embedding and LM head tied: one tensor
+    unique = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(input_ids=torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    optimizer.step()
+    held = held_bytes(model, optimizer)
+    assert (held.parameters, held.gradients, held.optimizer) == (4 * unique, 4 * unique, 8 * unique)

@@ -10,4 +10,5 @@
 - `memory`: what one rank holds under DDP, ZeRO-1/2/3, activation checkpointing and offload (lab 09).
 - `zero`: ZeRO-1 from scratch, AdamW's state sharded over the ranks (lab 09).
 - `comm`: bytes per collective, counted where torch calls them; gradient compression for DDP (lab 09).
+- `fsdp`: FSDP2 (ZeRO-3) on a decoder, a unit per block (lab 09).
 """

@@ -18,6 +18,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+import torch
+from torch import nn
+
 from labkit.torchutil import is_int
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
@@ -147,3 +150,29 @@ def largest_model(
 def _check_count(name: str, value: int, minimum: int = 0) -> None:
     if not is_int(value) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor (FSDP2) counts its shard on this rank
+    return t.numel() * t.element_size()
+
+
+def moment_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of an optimizer's per-parameter state on this rank (AdamW: the two moments), step counts left out."""
+    return sum(
+        _local_bytes(t)
+        for state in optimizer.state.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor) and t.dim() > 0
+    )
+
+
+def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> RankBytes:
+    """What this rank holds for training, measured tensor by tensor (a tied weight once, a shard as its local part):
+    the figure to set against `state_bytes`."""
+    params = list(model.parameters())  # each tensor once: a tied weight is one parameter
+    return RankBytes(
+        parameters=sum(_local_bytes(p) for p in params),
+        gradients=sum(_local_bytes(p.grad) for p in params if p.grad is not None),
+        optimizer=moment_bytes(optimizer) if optimizer is not None else 0,
+    )

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from labkit.parallel.memory import moment_bytes
+
 
 class Zero1AdamW:
     """AdamW whose state is sharded over the ranks of the default process group (call `step` on every rank).
@@ -75,15 +77,3 @@ class Zero1AdamW:
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds: AdamW's two moments for its slice."""
         return moment_bytes(self.optimizer)
-
-
-def moment_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of an optimizer's per-parameter state tensors (AdamW: the two moments), local shards only; scalar
-    step counts are left out."""
-    total = 0
-    for state in optimizer.state.values():
-        for t in state.values():
-            if isinstance(t, torch.Tensor) and t.dim() > 0:
-                t = t.to_local() if hasattr(t, "to_local") else t  # FSDP2 keeps DTensor state: count this rank's
-                total += t.numel() * t.element_size()
-    return total

@@ -17,7 +17,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from labkit.models import tiny_llama
 from labkit.parallel.launch import rank_context, save_result
-from labkit.parallel.zero import Zero1AdamW, moment_bytes
+from labkit.parallel.memory import moment_bytes
+from labkit.parallel.zero import Zero1AdamW
 
 STEPS, LR = 5, 1e-2
 
