@@ -52,7 +52,8 @@ lab-solutions: prepare
 # notebook with all its cells in one kernel (--dist loadscope), stays on one worker. With workers, torch
 # gets one thread per process: two processes of two threads on two cores spin against each other (on
 # the 2-core CI machine the first two notebooks had not finished after 10 minutes that way; with one
-# thread each the whole suite took 13). Where the time went is written to tests/durations.txt.
+# thread each the whole suite took 13). Three workers on those two cores were slower still (a fresh clone at
+# 63ed1f9: 16 min 19 s against 15 min 12 s with two). Where the time went is written to tests/durations.txt.
 # The notebooks run are the student build (exercises unwritten, each check going on with labkit's
 # reference) with the committed outputs kept for nbval's tagged cells: Run All must reach the end of
 # every lab as students get it (written atomically: it replaces the last build whole). The solutions
