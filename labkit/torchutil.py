@@ -55,6 +55,14 @@ def vocab_size(model: nn.Module) -> int | None:
     return getattr(embedding, "num_embeddings", None)
 
 
+def module_name(model: nn.Module, module: nn.Module) -> str:
+    """The dotted name under which `module` sits in `model` (as named_modules gives it; "" for the model itself)."""
+    for name, m in model.named_modules():
+        if m is module:
+            return name
+    raise ValueError(f"{type(module).__name__} is not a submodule of {type(model).__name__}")
+
+
 def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:
     """Put `module` where the submodule called `name` (dotted, as named_modules gives it) is, in place."""
     parent_name, _, child = name.rpartition(".")

@@ -102,3 +102,12 @@ def test_replace_module_puts_the_new_module_at_a_dotted_name_or_at_the_top():
     assert model[0] is top
     with pytest.raises(AttributeError):
         replace_module(model, "2.0", new)
+
+
+def test_module_name_finds_a_submodule_by_identity():
+    model = tiny_llama()
+    assert torchutil.module_name(model, model.model.layers) == "model.layers"
+    assert torchutil.module_name(model, model.model.layers[1].mlp.up_proj) == "model.layers.1.mlp.up_proj"
+    assert torchutil.module_name(model, model) == ""
+    with pytest.raises(ValueError, match="not a submodule"):
+        torchutil.module_name(model, nn.Linear(2, 2))

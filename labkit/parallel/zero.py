@@ -17,8 +17,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labkit.parallel.memory import moment_bytes
-
 
 class Zero1AdamW:
     """AdamW whose state is sharded over the ranks of the default process group (call `step` on every rank).
@@ -73,7 +71,3 @@ class Zero1AdamW:
         self.optimizer.step()
         self.shard.grad = None
         dist.all_gather(self.slices, self.shard.detach().clone())
-
-    def state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds: AdamW's two moments for its slice."""
-        return moment_bytes(self.optimizer)

@@ -135,16 +135,19 @@ def _sparsegpt(
     return w.to(weight.dtype), keep
 
 
-def _check_args(model: nn.Module, calibration: Any, sparsity: Sparsity, batch_size: int) -> tuple[int, int] | None:
-    """Everything a whole-model sweep could trip over, checked before any weight changes; returns the N:M pattern."""
-    _, nm = _pattern(sparsity)
+def _check_args(
+    model: nn.Module, calibration: Any, sparsity: Sparsity, batch_size: int
+) -> tuple[float | None, tuple[int, int] | None]:
+    """Everything a whole-model sweep could trip over, checked before any weight changes; returns the sparsity as
+    (share, None) or (None, N:M pattern)."""
+    share, nm = _pattern(sparsity)
     check_calibration(model, calibration, "calibrated pruning")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     for name, m in decoder_layers(model).named_modules():
         if nm and isinstance(m, nn.Linear):
             _check_nm_width(name, m.weight.shape, *nm)
-    return nm
+    return share, nm
 
 
 METHODS = ("wanda", "sparsegpt")
@@ -170,13 +173,11 @@ def calibrated_prune(
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    nm = _check_args(model, calibration, sparsity, batch_size)
+    share, nm = _check_args(model, calibration, sparsity, batch_size)
     if not (isinstance(damp, (int, float)) and 0 <= damp < 1):
         raise ValueError(f"damp must be in [0, 1), got {damp!r}")
     _check_block_size(block_size, nm)
     masks: dict[str, torch.Tensor] = {}
-
-    share, _ = _pattern(sparsity)
 
     def solve(names: list[str], modules: list[nn.Linear], hessian: torch.Tensor) -> None:
         # the layers of a group read the same input: one Hessian, and for SparseGPT one factor of its inverse

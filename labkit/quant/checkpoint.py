@@ -16,6 +16,7 @@ from torch import nn
 from labkit import __version__, assets
 from labkit.quant.formats import QuantConfig, QuantizedWeight
 from labkit.quant.model import QuantizedModel
+from labkit.torchutil import module_name
 
 
 def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
@@ -199,5 +200,5 @@ def _is_tied(model: nn.Module, key: str) -> bool:
     return (
         getattr(model.config, "tie_word_embeddings", False)
         and head is not None
-        and key == next(n for n, m in model.named_modules() if m is head) + ".weight"
+        and key == module_name(model, head) + ".weight"
     )

@@ -20,7 +20,7 @@ from labkit.data import pack_blocks
 from labkit.evaluate import token_stream
 from labkit.quant.formats import QuantConfig, QuantizedWeight, bits_per_weight, quantize_rtn
 from labkit.quant.gptq import gptq_quantize, relative_errors
-from labkit.torchutil import check_token_ids, decoder_layers, eval_mode, vocab_size
+from labkit.torchutil import check_token_ids, decoder_layers, eval_mode, module_name, vocab_size
 
 METHODS = ("rtn", "gptq")
 # Calibration tokens per input of the widest layer below which GPTQ fits noise. Measured on SmolLM2's
@@ -253,7 +253,7 @@ def quantize_model(
     if not inplace:
         model = copy.deepcopy(model)
         layers = decoder_layers(model)
-    prefix = _layers_prefix(model, layers)
+    prefix = module_name(model, layers)
     result = QuantizedModel(model, cfg, method, {}, calibration_tokens=tokens)
     start = time.perf_counter()
     with eval_mode(model):
@@ -268,10 +268,6 @@ def quantize_model(
             _gptq_blocks(result, calibration, batch_size, progress)
     result.seconds = time.perf_counter() - start
     return result
-
-
-def _layers_prefix(model: nn.Module, layers: nn.ModuleList) -> str:
-    return next(name for name, m in model.named_modules() if m is layers)
 
 
 def _store(
@@ -313,7 +309,7 @@ def calibrated_sweep(
     block's, are computed with the changed ones, so each layer corrects for the layers solved before it.
     GPTQ (`quantize_model`), SparseGPT and Wanda (labkit.prune) are such solves."""
     layers = decoder_layers(model)
-    prefix = _layers_prefix(model, layers)
+    prefix = module_name(model, layers)
     inputs, kwargs_list = _first_block_inputs(model, layers, calibration, batch_size)
     bar = tqdm(
         total=sum(1 for b in layers for m in b.modules() if isinstance(m, nn.Linear)),

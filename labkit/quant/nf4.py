@@ -23,8 +23,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from labkit.quant.model import _layers_prefix
-from labkit.torchutil import decoder_layers, is_int
+from labkit.torchutil import decoder_layers, is_int, module_name
 
 # The outermost quantile used for the grid's ends: midway between 1 - 1/(2·15) and 1 - 1/(2·16) (the two
 # sides have 7 and 8 steps), written to 7 digits as the QLoRA code has it. The grid is computed from this
@@ -204,7 +203,7 @@ def quantize_model_nf4(
     if not inplace:
         model = copy.deepcopy(model)
     layers = decoder_layers(model)
-    prefix = _layers_prefix(model, layers)
+    prefix = module_name(model, layers)
     weights: dict[str, NF4Weight] = {}
     start = time.perf_counter()
     for i, block in enumerate(tqdm(layers, desc="NF4", disable=not progress, leave=False)):

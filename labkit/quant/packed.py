@@ -12,7 +12,7 @@ from torch import nn
 from labkit.quant.formats import QuantizedWeight
 from labkit.quant.model import QuantizedModel
 from labkit.quant.nf4 import NF4Model, NF4Weight
-from labkit.torchutil import replace_module
+from labkit.torchutil import module_name, replace_module
 
 PACKABLE_BITS = (2, 4, 8)  # whole codes per byte; 3-bit codes are packed only in checkpoints
 
@@ -162,11 +162,10 @@ def store_embeddings(model: nn.Module, storage: torch.dtype = torch.bfloat16) ->
             f"expected an nn.Embedding and an nn.Linear LM head, got {type(embedding).__name__} and "
             f"{type(head).__name__} (stored already?)"
         )
-    names = {id(m): name for name, m in model.named_modules()}
     cast = CastEmbedding(embedding, storage)
     stored = cast.weight if head.weight is embedding.weight else nn.Parameter(head.weight.detach().to(storage), False)
-    replace_module(model, names[id(embedding)], cast)
-    replace_module(model, names[id(head)], CastLinear(stored, head.bias, head.weight.dtype))
+    replace_module(model, module_name(model, embedding), cast)
+    replace_module(model, module_name(model, head), CastLinear(stored, head.bias, head.weight.dtype))
     return model
 
 

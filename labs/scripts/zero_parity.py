@@ -91,7 +91,7 @@ def main() -> None:
                 "scale": expected.abs().max().item(),
                 "optimizer_bytes": {
                     "single": moment_bytes(single_opt),
-                    "zero1": zero1.state_bytes(),
+                    "zero1": moment_bytes(zero1.optimizer),
                     "zero_redundancy": moment_bytes(zero_torch.optim),
                     "fsdp": moment_bytes(fsdp_opt),
                 },
