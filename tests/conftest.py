@@ -85,3 +85,19 @@ def dp_parity_results():
         Path(__file__).parents[1] / "labs" / "scripts" / "dp_parity.py", nproc=2, echo=lines.append, timeout=180
     )
     return res, lines
+
+
+# the sizes tests/test_parallel_{zero,comm,fsdp}.py launch labs/scripts/sharding.py with: small enough for seconds,
+# every dimension even (equal shards), a vocabulary the compression curves learn in 30 steps
+SHARDING_ARGS = ["--vocab", "128", "--hidden", "64", "--layers", "2", "--batch", "4", "--steps", "30", "--lr", "1e-2"]
+
+
+@pytest.fixture(scope="session")
+def sharding_results():
+    """labs/scripts/sharding.py on 2 ranks, every part, run once for the ZeRO, communication and FSDP tests."""
+    from pathlib import Path
+
+    from labkit.parallel import launch
+
+    script = Path(__file__).parents[1] / "labs" / "scripts" / "sharding.py"
+    return launch.launch(script, nproc=2, args=[*SHARDING_ARGS, "--repeats", "1"], echo=None, timeout=300)

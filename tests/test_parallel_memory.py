@@ -109,3 +109,7 @@ def test_held_bytes_counts_a_tied_weight_once_and_the_optimizer_moments():
     optimizer.step()
     held = held_bytes(model, optimizer)
     assert (held.parameters, held.gradients, held.optimizer) == (4 * unique, 4 * unique, 8 * unique)
+    # the same tensors, for a rank that computes on a GPU: all in host memory, so all offloaded (CPUOffloadPolicy)
+    away = held_bytes(model, optimizer, device="cuda")
+    assert (away.parameters, away.gradients, away.optimizer, away.offloaded) == (0, 0, 0, 16 * unique)
+    assert held_bytes(model, optimizer, device="cpu") == held

@@ -33,15 +33,12 @@ def shard_model(
     device = next(model.parameters()).device
     if offload and device.type == "cpu":
         raise ValueError("offload moves shards from an accelerator to host memory: these ranks run on the CPU already")
-    options = {
-        "mesh": init_device_mesh(device.type, (dist.get_world_size(),)),
-        "reshard_after_forward": reshard_after_forward,
-    }
+    options = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),))}
     if offload:
         options["offload_policy"] = CPUOffloadPolicy()
     if param_dtype is not None or reduce_dtype is not None:
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in decoder_layers(model):
-        fully_shard(block, **options)
-    fully_shard(model, **options)
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **options)
+    fully_shard(model, **options)  # the root keeps its parameters to the backward, which needs them first
     return model

@@ -152,27 +152,43 @@ def _check_count(name: str, value: int, minimum: int = 0) -> None:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor (FSDP2) counts its shard on this rank
+
+
 def _local_bytes(t: torch.Tensor) -> int:
-    t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor (FSDP2) counts its shard on this rank
+    t = _local(t)
     return t.numel() * t.element_size()
+
+
+def _moments(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """An optimizer's per-parameter state tensors (AdamW: the two moments), step counts left out."""
+    return [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor) and t.dim()]
 
 
 def moment_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of an optimizer's per-parameter state on this rank (AdamW: the two moments), step counts left out."""
-    return sum(
-        _local_bytes(t)
-        for state in optimizer.state.values()
-        for t in state.values()
-        if isinstance(t, torch.Tensor) and t.dim() > 0
-    )
+    return sum(_local_bytes(t) for t in _moments(optimizer))
 
 
-def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> RankBytes:
+def held_bytes(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None = None, device: str | torch.device | None = None
+) -> RankBytes:
     """What this rank holds for training, measured tensor by tensor (a tied weight once, a shard as its local part):
-    the figure to set against `state_bytes`."""
+    the figure to set against `state_bytes`. Given the accelerator the rank computes on as `device`, tensors held
+    elsewhere (FSDP's CPU offload) count as `offloaded`."""
     params = list(model.parameters())  # each tensor once: a tied weight is one parameter
+    kinds = {
+        "parameters": params,
+        "gradients": [p.grad for p in params if p.grad is not None],
+        "optimizer": _moments(optimizer) if optimizer is not None else [],
+    }
+    here = torch.device(device).type if device is not None else None
+
+    def away(t: torch.Tensor) -> bool:
+        return here not in (None, "cpu") and _local(t).device.type != here
+
     return RankBytes(
-        parameters=sum(_local_bytes(p) for p in params),
-        gradients=sum(_local_bytes(p.grad) for p in params if p.grad is not None),
-        optimizer=moment_bytes(optimizer) if optimizer is not None else 0,
+        **{kind: sum(_local_bytes(t) for t in tensors if not away(t)) for kind, tensors in kinds.items()},
+        offloaded=sum(_local_bytes(t) for tensors in kinds.values() for t in tensors if away(t)),
     )
