@@ -84,14 +84,18 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 def activation_checkpointing(model: nn.Module, on: bool | None = None) -> bool:
     """Whether a transformers model recomputes activations in the backward; turn it on or off when `on` is given.
 
-    transformers 5 renamed gradient_checkpointing_* to activation_checkpointing_*; both are accepted.
+    transformers 5 renamed gradient_checkpointing_* to activation_checkpointing_*; both are accepted. Older
+    versions default to torch's reentrant checkpoint, which torch deprecates; both then get the non-reentrant one.
     """
     new = hasattr(model, "activation_checkpointing_enable")
     if not new and not hasattr(model, "gradient_checkpointing_enable"):
         raise ValueError(f"activation checkpointing needs a transformers model, got {type(model).__name__}")
     if on is not None:
         prefix = "activation_checkpointing_" if new else "gradient_checkpointing_"
-        getattr(model, prefix + ("enable" if on else "disable"))()
+        if on:
+            getattr(model, prefix + "enable")(**{prefix + "kwargs": {"use_reentrant": False}})
+        else:
+            getattr(model, prefix + "disable")()
     return bool(model.is_activation_checkpointing if new else model.is_gradient_checkpointing)
 
 
