@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "labkit"
 # Layers, lowest first: a module may import its own layer's modules and any below, never above.
 FOUNDATION = {"torchutil", "profiles", "assets", "precision", "plots", "data", "models", "bench", "flops", "env"}
 SHARED = {"evaluate", "checkpoint", "train"}
-TECHNIQUES = {"clean", "tokenizer", "shards", "parallel", "prune", "quant", "tasks", "lora"}
+TECHNIQUES = {"clean", "tokenizer", "shards", "activations", "parallel", "prune", "quant", "tasks", "lora"}
 TOP = {"checks", "expected", "gpucheck", "student", "cli", "__main__"}
 # Technique modules import each other only where one is built on the other.
 BUILT_ON = {
