@@ -38,7 +38,8 @@ REFERENCE = {  # where the ranges were measured; quality figures agree on these 
     "smoke": "2-core VMs: Intel Xeon (Sapphire Rapids with AMX; Cascade Lake) and AMD EPYC (Zen 3, AVX2), torch 2.13 "
     "CPU build: the CI machines",
     "cpu": (
-        "2-core Intel Xeon VMs (Sapphire Rapids with AMX; Cascade Lake), torch 2.13 CPU build; GPTQ also on AMD EPYC"
+        "2-core Intel Xeon VMs (Sapphire Rapids with AMX; Cascade Lake), torch 2.13 CPU build; GPTQ and lab 09 on a "
+        "2-core AMD EPYC"
     ),
 }
 
@@ -179,6 +180,30 @@ EXPECTED: dict[str, dict[str, dict[str, Range]]] = {
             "exact match, base model": quality(0.0, 0.05),
             "exact match, full fine-tune": quality(0.5, 0.85),
             "exact match, LoRA r=8 q,v": quality(0.5, 0.9),
+        },
+    },
+    "09": {
+        "smoke": {
+            "held / predicted state, FSDP2": quality(1, 1),
+            "added / predicted state, DDP": quality(0.9, 1.1),
+            "added / predicted state, FSDP2": quality(0.9, 1.1),
+            "FSDP2 state / DDP state": quality(0.499, 0.501),
+            "decoder activations, without / with checkpointing": quality(1.7, 1.8),
+            "step time, with / without checkpointing": speed(0.8, 1.6),
+            "final loss, uncompressed": quality(7.95, 8.3),
+            "final loss, bf16 / uncompressed": quality(0.98, 1.02),
+            "final loss, PowerSGD rank 4": quality(7.95, 8.35),
+        },
+        "cpu": {
+            "held / predicted state, FSDP2": quality(1, 1),
+            "added / predicted state, DDP": quality(0.9, 1.1),
+            "added / predicted state, FSDP2": quality(0.9, 1.1),
+            "FSDP2 state / DDP state": quality(0.499, 0.501),
+            "decoder activations, without / with checkpointing": quality(5.5, 5.8),
+            "step time, with / without checkpointing": speed(0.9, 1.4),
+            "final loss, uncompressed": quality(7.15, 7.5),
+            "final loss, bf16 / uncompressed": quality(0.98, 1.02),
+            "final loss, PowerSGD rank 4": quality(7.15, 7.55),
         },
     },
 }

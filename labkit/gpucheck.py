@@ -43,12 +43,19 @@ GOALS: dict[str, tuple[str, Callable[[list[dict[str, Any]]], float | None]]] = {
         "> 1",
         lambda records: _best(r.get("speedup") for r in records if r.get("benchmark") == "gptq_decode"),
     ),
+    "activation checkpointing step time, with / without": (
+        "<= 1.4",
+        lambda records: _best(
+            (r.get("checkpointing_time_ratio") for r in records if r.get("benchmark") == "memory_at_scale"),
+            lowest=True,
+        ),
+    ),
 }
 
 
-def _best(values: Any) -> float | None:
+def _best(values: Any, lowest: bool = False) -> float | None:
     found = [v for v in values if v is not None]
-    return max(found) if found else None
+    return (min if lowest else max)(found) if found else None
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,7 @@ def plan(gpus: int, log: Path, root: Path = ROOT) -> list[Step]:
         Step("pruning speed and 2:4 kernels", benchmark("pruning_speed.py", "--device", "cuda"), 1200),
         Step("GPTQ 4-bit decode vs fp16", benchmark("gptq_decode.py", "--device", "cuda"), 1200),
         Step("LoRA vs full fine-tune memory", benchmark("lora_vs_full.py"), 2400),
+        Step("sharded memory and checkpointing", benchmark("memory_at_scale.py"), 1800),
         Step(
             "all-reduce on NCCL",
             [

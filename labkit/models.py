@@ -155,6 +155,27 @@ def lab_llama(vocab_size: int, profile, seed: int = 0) -> nn.Module:
     )
 
 
+def llama_shape(vocab_size: int, hidden_size: int, num_layers: int, seq_len: int) -> dict[str, int]:
+    """`tiny_llama`'s arguments for a Llama shaped like SmolLM2 at any width and depth (lab 09's model): heads
+    64 wide, an MLP 8/3 as wide (rounded to even), positions for `seq_len` + 1 tokens, and two query heads per
+    key/value head (SmolLM2-135M has three: its width, 576, is no multiple of 128)."""
+    if not all(is_int(v) and v >= 1 for v in (vocab_size, num_layers, seq_len)):
+        raise ValueError(
+            f"vocab_size, num_layers and seq_len must be ints >= 1, got {vocab_size!r}, {num_layers!r}, {seq_len!r}"
+        )
+    if not is_int(hidden_size) or hidden_size < 128 or hidden_size % 128:
+        raise ValueError(f"hidden_size must be a multiple of 128 (two 64-wide heads per KV head), got {hidden_size!r}")
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "num_layers": num_layers,
+        "num_heads": hidden_size // 64,
+        "num_kv_heads": hidden_size // 128,
+        "intermediate_size": hidden_size * 8 // 3 // 2 * 2,
+        "max_position_embeddings": seq_len + 1,
+    }
+
+
 def tiny_gpt2(
     vocab_size: int = 512,
     hidden_size: int = 64,

@@ -55,6 +55,11 @@ class Profile:
     lora_max_length: int  # tokens per example (prompt cut from the left)
     lora_eval_examples: int  # held-out validation articles scored per run
     lora_ranks: tuple[int, ...]  # LoRA ranks compared on q/v
+    scale_hidden: int  # width of lab 09's SmolLM2-shaped model (head_dim 64, SmolLM2's vocabulary)
+    scale_layers: int  # its depth
+    scale_batch: int  # sequences per rank per step in lab 09
+    scale_seq: int  # tokens per sequence in lab 09
+    scale_steps: int  # steps per gradient-compression loss curve (lab 09); every rank reads its own blocks
 
 
 PROFILES: dict[str, Profile] = {
@@ -99,6 +104,11 @@ PROFILES: dict[str, Profile] = {
             lora_max_length=128,
             lora_eval_examples=3,
             lora_ranks=(8,),
+            scale_hidden=128,
+            scale_layers=2,
+            scale_batch=2,
+            scale_seq=64,
+            scale_steps=20,
         ),
         Profile(
             name="cpu",
@@ -139,6 +149,11 @@ PROFILES: dict[str, Profile] = {
             lora_max_length=256,
             lora_eval_examples=40,
             lora_ranks=(4, 8, 16),
+            scale_hidden=256,
+            scale_layers=8,
+            scale_batch=4,
+            scale_seq=128,
+            scale_steps=60,
         ),
         Profile(
             name="gpu",
@@ -183,6 +198,11 @@ PROFILES: dict[str, Profile] = {
             lora_max_length=384,
             lora_eval_examples=200,
             lora_ranks=(4, 8, 16, 64),
+            scale_hidden=768,
+            scale_layers=12,
+            scale_batch=4,
+            scale_seq=256,
+            scale_steps=80,
         ),
     )
 }

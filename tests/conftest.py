@@ -89,7 +89,7 @@ def dp_parity_results():
 
 # the sizes tests/test_parallel_{zero,comm,fsdp}.py launch labs/scripts/sharding.py with: small enough for seconds,
 # every dimension even (equal shards), a vocabulary the compression curves learn in 30 steps
-SHARDING_ARGS = ["--vocab", "128", "--hidden", "64", "--layers", "2", "--batch", "4", "--steps", "30", "--lr", "1e-2"]
+SHARDING_ARGS = ["--vocab=128", "--hidden=128", "--layers=2", "--batch=4", "--seq=32", "--steps=30", "--lr=1e-2"]
 
 
 @pytest.fixture(scope="session")

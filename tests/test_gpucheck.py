@@ -37,6 +37,7 @@ def test_the_plan_covers_every_lab_and_gpu_benchmark(tmp_path, gpus, all_reduce_
         ("pruning speed and 2:4 kernels", "pruning_speed.py"),
         ("GPTQ 4-bit decode vs fp16", "gptq_decode.py"),
         ("LoRA vs full fine-tune memory", "lora_vs_full.py"),
+        ("sharded memory and checkpointing", "memory_at_scale.py"),
     ):
         assert steps[name].command[1].endswith(script) and str(tmp_path / "log.jsonl") in steps[name].command
     assert "--compile" in steps["precision and MFU, torch.compile"].command
@@ -82,6 +83,7 @@ def test_a_gpu_run_writes_every_step_and_reads_the_goals(tmp_path, monkeypatch, 
         "bf16 MFU, GPT-2 small, torch.compile": 0.52,
         "2:4 sparse linear speed-up, 8192 x 8192": 1.4,
         "GPTQ 4-bit / fp16 decode speed, batch 1": None,
+        "activation checkpointing step time, with / without": None,
     }
     out = capsys.readouterr().out
     assert "GPTQ 4-bit / fp16 decode speed, batch 1: target > 1, not measured" in out

@@ -103,6 +103,28 @@ def test_lab_llama_is_sized_by_the_profile():
     assert cfg.num_key_value_heads == 2 and cfg.vocab_size == 1000
 
 
+def test_llama_shape_builds_the_parameters_counted_by_hand():
+    """Lab 09's model at the gpu profile's width: 12 heads of 64, 6 KV heads, an MLP of 2,048, tied head."""
+    vocab, hidden, layers, seq = 1000, 768, 3, 256
+    shape = models.llama_shape(vocab, hidden, layers, seq)
+    assert (shape["num_heads"], shape["num_kv_heads"], shape["intermediate_size"]) == (12, 6, 2048)
+    kv = 6 * 64
+    per_block = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * 2048 + 2 * hidden  # q, o; k, v; MLP; norms
+    with torch.device("meta"):
+        model = models.tiny_llama(**shape)
+    assert sum(p.numel() for p in model.parameters()) == vocab * hidden + layers * per_block + hidden
+    assert model.config.max_position_embeddings == seq + 1
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [((1000, 576, 2, 64), "multiple of 128"), ((1000, 0, 2, 64), "multiple of 128"), ((0, 256, 2, 64), "vocab_size")],
+)
+def test_llama_shape_rejects_shapes_it_cannot_split_into_heads(args, match):
+    with pytest.raises(ValueError, match=match):
+        models.llama_shape(*args)
+
+
 @pytest.mark.parametrize("mask, file_mode, dir_mode", UMASK_CASES)
 def test_saved_models_get_the_modes_the_umask_gives(tmp_path, mask, file_mode, dir_mode):
     from tokenizers import Tokenizer

@@ -125,6 +125,12 @@ LAB_LINES = {
         'held_out = tasks.title_examples("validation", limit=profile.lora_eval_examples)',
         'calibration = quant.calibration_blocks(tokenizer, load_corpus("wiki", "train"),',
     ],
+    "09_memory_at_scale": [
+        'shards.tokenize_to_shards(load_corpus("wiki", "train"), tokenizer, data_dir, shard_tokens=2**18)',
+        "ranks = gpus if gpus >= 2 else 2",
+        "batch_size, seq = profile.scale_batch, profile.scale_seq",
+        'f"--steps={profile.scale_steps}"',
+    ],
 }
 
 
@@ -318,6 +324,17 @@ def draws(p: profiles.Profile, corpus: dict, own_bpe_tokens) -> list[Draw]:
             p.lora_max_length,
         ),
     ]
+    # Lab 09: the compression curves; every rank (one per GPU: 8 on the largest node) reads scale_steps batches of
+    # its own blocks from the whole train split, one epoch at most.
+    ranks = 8 if p.name == "gpu" else 2
+    rows.append(
+        Draw(
+            "09",
+            "blocks for the compression curves (scale_steps x scale_batch x ranks), one epoch at most",
+            p.scale_steps * p.scale_batch * ranks,
+            loader_blocks(stream_tokens(train), p.scale_seq, 2**18),
+        )
+    )
     return rows
 
 

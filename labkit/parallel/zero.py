@@ -17,6 +17,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from labkit.torchutil import is_int
+
+
+def owned_slice(numel: int, rank: int, world: int) -> slice:
+    """The slice of a flat vector of `numel` elements that `rank` of `world` updates: ceil(numel / world) elements
+    each, the vector padded at the end so that every rank's slice has the same length (one all-gather call)."""
+    if not is_int(numel) or numel < 1 or not is_int(world) or world < 1:
+        raise ValueError(f"need numel >= 1 and world >= 1, got numel={numel!r}, world={world!r}")
+    if not is_int(rank) or not 0 <= rank < world:
+        raise ValueError(f"need 0 <= rank < world, got rank={rank!r}, world={world}")
+    size = math.ceil(numel / world)
+    return slice(rank * size, (rank + 1) * size)
+
 
 class Zero1AdamW:
     """AdamW whose state is sharded over the ranks of the default process group (call `step` on every rank).
@@ -36,8 +49,8 @@ class Zero1AdamW:
         if len(kinds) > 1:
             raise ValueError(f"all parameters must share one dtype and one device, got {sorted(map(str, kinds))}")
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
-        numel = sum(p.numel() for p in self.params)
-        self.shard_numel = math.ceil(numel / self.world)
+        self.owned = owned_slice(sum(p.numel() for p in self.params), self.rank, self.world)
+        self.shard_numel = self.owned.stop - self.owned.start
         first = self.params[0]
         self.flat = torch.zeros(self.shard_numel * self.world, dtype=first.dtype, device=first.device)
         offset = 0
@@ -59,7 +72,7 @@ class Zero1AdamW:
     @torch.no_grad()
     def step(self) -> None:
         """Update the owned slice from the (averaged) gradients, then all-gather every rank's slice."""
-        start = self.rank * self.shard_numel
+        start = self.owned.start
         grad = torch.zeros_like(self.shard)
         offset = 0
         for p in self.params:  # copy the part of each gradient that falls in the owned slice

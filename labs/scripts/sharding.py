@@ -26,12 +26,13 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from labkit import bench, shards
-from labkit.models import tiny_llama
+from labkit.models import llama_shape, tiny_llama
 from labkit.parallel import memory
 from labkit.parallel.comm import compress_hook, count_collectives
 from labkit.parallel.fsdp import shard_model
 from labkit.parallel.launch import rank_context, save_result
 from labkit.parallel.zero import Zero1AdamW
+from labkit.profiles import get_profile
 from labkit.torchutil import activation_checkpointing
 
 PARTS = ("parity", "traffic", "memory", "compression")
@@ -83,9 +84,9 @@ def parity(rank, world, device, steps=5, lr=1e-2):
     }
 
 
-def wrap(method, base, lr=1e-3):
+def wrap(method, base, lr=1e-3, bucket_mb=25.0):
     """(model to call, optimizer to step, the module that holds the parameters, the optimizer that holds the
-    state) for one training method, on a copy of `base`."""
+    state) for one training method, on a copy of `base`; DDP's gradient buckets of `bucket_mb` MiB (its default)."""
     inner = copy.deepcopy(base)
     if method in ("fsdp", "fsdp_ckpt", "fsdp_offload"):
         if method == "fsdp_ckpt":
@@ -97,7 +98,7 @@ def wrap(method, base, lr=1e-3):
     if method == "zero1":
         optimizer = Zero1AdamW(inner.parameters(), lr=lr)  # before DDP: it re-homes the parameters in one buffer
         return DDP(inner, gradient_as_bucket_view=True), optimizer, inner, optimizer.optimizer
-    model = DDP(inner, gradient_as_bucket_view=True)  # gradients are views of DDP's buckets: no second copy
+    model = DDP(inner, gradient_as_bucket_view=True, bucket_cap_mb=bucket_mb)  # gradients live in the buckets
     if method == "zero1_torch":
         optimizer = ZeroRedundancyOptimizer(inner.parameters(), optimizer_class=torch.optim.AdamW, lr=lr)
         return model, optimizer, inner, optimizer.optim
@@ -173,8 +174,11 @@ def compression(base, batches, lr):
         "powersgd_4": lambda: powersgd(4),
     }
     curves = {}
+    # one bucket: PowerSGD chains collectives in future callbacks, and on gloo two buckets' callbacks can issue
+    # them in a different order on each rank (a collective mismatch)
+    one_bucket = 4 * sum(p.numel() for p in base.parameters()) / 2**20 + 1
     for name, make in hooks.items():
-        model, optimizer, _, _ = wrap("ddp", base, lr)
+        model, optimizer, _, _ = wrap("ddp", base, lr, bucket_mb=one_bucket)
         hook = make()
         model.register_comm_hook(*hook) if isinstance(hook, tuple) else model.register_comm_hook(None, hook)
         losses, sent = [], []
@@ -216,18 +220,18 @@ def synthetic_batches(vocab, batch, seq, steps, rank, seed=0):
 
 
 def main() -> None:
+    profile = get_profile()  # the default sizes: lab 09's model at this profile
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated, from " + ", ".join(PARTS))
     parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--intermediate", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
-    parser.add_argument("--seq", type=int, default=32, help="tokens per sequence")
+    parser.add_argument(
+        "--hidden", type=int, default=profile.scale_hidden, help="a multiple of 128 (models.llama_shape)"
+    )
+    parser.add_argument("--layers", type=int, default=profile.scale_layers)
+    parser.add_argument("--batch", type=int, default=profile.scale_batch, help="sequences per rank per step")
+    parser.add_argument("--seq", type=int, default=profile.scale_seq, help="tokens per sequence")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per method (the median is reported)")
-    parser.add_argument("--steps", type=int, default=20, help="steps per compression curve")
+    parser.add_argument("--steps", type=int, default=profile.scale_steps, help="steps per compression curve")
     parser.add_argument("--lr", type=float, default=3e-3, help="learning rate of the compression curves")
     parser.add_argument("--shards", help="token shards for the compression curves (default: synthetic streams)")
     args = parser.parse_args()
@@ -235,16 +239,7 @@ def main() -> None:
     if unknown := set(parts) - set(PARTS):
         parser.error(f"unknown parts {sorted(unknown)}; choose from {PARTS}")
     with rank_context() as (rank, world, device):
-        base = tiny_llama(
-            vocab_size=args.vocab,
-            hidden_size=args.hidden,
-            num_layers=args.layers,
-            num_heads=args.heads,
-            num_kv_heads=args.kv_heads,
-            intermediate_size=args.intermediate,
-            max_position_embeddings=args.seq + 1,
-            seed=0,
-        ).to(device)
+        base = tiny_llama(**llama_shape(args.vocab, args.hidden, args.layers, args.seq), seed=0).to(device)
         blocks = base.model.layers
         result = {
             "rank": rank,
