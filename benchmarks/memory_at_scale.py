@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from labkit import bench, precision, train
+from labkit import activations, bench, precision
 from labkit.models import llama_shape, tiny_llama
 from labkit.parallel import launch, memory
 from labkit.profiles import get_profile
@@ -38,7 +38,7 @@ def checkpointing(args: argparse.Namespace, device: torch.device) -> dict[str, d
     model.config.use_cache = False
     x = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": x[:, :-1].to(device), "targets": x[:, 1:].to(device)}
-    return train.checkpointing_cost(model, batch, precision.policy("fp32", device), repeats=args.repeats)
+    return activations.checkpointing_cost(model, batch, precision.policy("fp32", device), repeats=args.repeats)
 
 
 def main() -> None:

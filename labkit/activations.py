@@ -57,8 +57,9 @@ def _activations(model: nn.Module, batch: dict[str, torch.Tensor], policy: preci
     def leave(block: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         per_block.append(current.pop())
 
-    hooks = [b.register_forward_pre_hook(enter, with_kwargs=True) for b in _checkpoint_blocks(model)]
-    hooks += [b.register_forward_hook(leave, with_kwargs=True) for b in _checkpoint_blocks(model)]
+    blocks = _checkpoint_blocks(model)
+    hooks = [b.register_forward_pre_hook(enter, with_kwargs=True) for b in blocks]
+    hooks += [b.register_forward_hook(leave, with_kwargs=True) for b in blocks]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             loss = loss_sum(model, batch, policy)
