@@ -53,7 +53,9 @@ lab-solutions: prepare
 # gets one thread per process: two processes of two threads on two cores spin against each other (on
 # the 2-core CI machine the first two notebooks had not finished after 10 minutes that way; with one
 # thread each the whole suite took 13). Three workers on those two cores were slower still (a fresh clone at
-# 63ed1f9: 16 min 19 s against 15 min 12 s with two). Where the time went is written to tests/durations.txt.
+# 63ed1f9: 16 min 19 s against 15 min 12 s with two). Where the time went is written to tests/durations.txt, and
+# the next run collects files longest first by it (--no-loadscope-reorder keeps that order): the long notebooks
+# start at once on different workers instead of one starting last and running alone.
 # The notebooks run are the student build (exercises unwritten, each check going on with labkit's
 # reference) with the committed outputs kept for nbval's tagged cells: Run All must reach the end of
 # every lab as students get it (written atomically: it replaces the last build whole). The solutions
@@ -63,7 +65,7 @@ test: prepare lint
 	$(RUN) LABKIT_PROFILE=smoke HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 GPTQMODEL_OFFLINE=$(GPTQMODEL_OFFLINE) \
 	  LABKIT_DURATIONS=tests/durations.txt $(if $(filter 0,$(TEST_WORKERS)),,OMP_NUM_THREADS=1) \
 	  $(PY) -m pytest build/test-labs tests -p tests.durations -n $(TEST_WORKERS) --dist loadscope \
-	  --nbval-lax --nbval-cell-timeout=600 --durations=15 $(PYTEST_ARGS)
+	  --no-loadscope-reorder --nbval-lax --nbval-cell-timeout=600 --durations=15 $(PYTEST_ARGS)
 
 # style is part of the suite: ruff (pinned in the dev extra) lints and checks the formatting of the
 # package, the tests, the benchmarks and the notebooks' code cells

@@ -3,6 +3,11 @@
 `make test` loads it (`-p tests.durations`) and sets LABKIT_DURATIONS to the file to write
 (tests/durations.txt, kept in the repository so that a change that slows the suite shows in review).
 Under pytest-xdist only the controller writes, from the reports every worker sends it.
+
+The same file orders the next run: files are collected longest first (by the last run's per-file totals; a file
+not in it, a new lab, first of all), so that with `--dist loadscope --no-loadscope-reorder` the long notebooks
+start at once on separate workers and the short files fill in around them, instead of a long notebook starting
+last and running alone.
 """
 
 from __future__ import annotations
@@ -18,6 +23,26 @@ import pytest
 ENV_VAR = "LABKIT_DURATIONS"
 _seconds: dict[str, float] = defaultdict(float)
 _started = time.monotonic()
+
+
+def read_file_seconds(text: str) -> dict[str, float]:
+    """The per-file totals of a report written by `format_report`."""
+    section = text.split("## per file\n", 1)[1].split("\n\n", 1)[0] if "## per file\n" in text else ""
+    return {name: float(s) for s, name in (line.split(None, 1) for line in section.splitlines() if line.strip())}
+
+
+def longest_first(nodeids: list[str], file_seconds: dict[str, float]) -> list[int]:
+    """Indices of `nodeids` by their file's total, longest first (unknown files first), in order within a file."""
+    key = lambda i: -file_seconds.get(nodeids[i].split("::", 1)[0], float("inf"))  # noqa: E731
+    return sorted(range(len(nodeids)), key=key)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    dest = os.environ.get(ENV_VAR)
+    if not dest or not Path(dest).is_file():
+        return
+    order = longest_first([item.nodeid for item in items], read_file_seconds(Path(dest).read_text(encoding="utf-8")))
+    items[:] = [items[i] for i in order]
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

@@ -1,6 +1,6 @@
 """The duration report: per-file totals and per-test lines, slowest first, summed over setup/call/teardown."""
 
-from tests.durations import format_report
+from tests.durations import format_report, longest_first, read_file_seconds
 
 
 def test_report_totals_files_and_sorts_tests_slowest_first():
@@ -11,3 +11,23 @@ def test_report_totals_files_and_sorts_tests_slowest_first():
     assert files == ["     5.0  tests/a.py", "     2.5  labs/01.ipynb"]
     tests = text.split("## per test\n")[1].splitlines()
     assert tests == ["    4.00  tests/a.py::t2", "    2.50  labs/01.ipynb::Cell 3", "    1.00  tests/a.py::t1"]
+
+
+def test_the_next_run_collects_long_files_first_and_unknown_ones_before_them():
+    text = format_report({"tests/a.py::t1": 1.0, "labs/01.ipynb::Cell 1": 2.5}, wall=3, workers=2, exit_status=0)
+    assert read_file_seconds(text) == {"labs/01.ipynb": 2.5, "tests/a.py": 1.0}
+    nodeids = [
+        "tests/a.py::t1",
+        "labs/01.ipynb::Cell 0",
+        "labs/01.ipynb::Cell 1",
+        "tests/a.py::t2",
+        "labs/new.ipynb::Cell 0",
+    ]
+    order = longest_first(nodeids, read_file_seconds(text))
+    assert [nodeids[i] for i in order] == [
+        "labs/new.ipynb::Cell 0",
+        "labs/01.ipynb::Cell 0",
+        "labs/01.ipynb::Cell 1",
+        "tests/a.py::t1",
+        "tests/a.py::t2",
+    ]
