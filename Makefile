@@ -8,6 +8,8 @@
 #   make lab LAB_ARGS="--no-browser --ip=0.0.0.0 --port=8890"   (a cluster node; tunnel the port)
 #   make lab TORCH="torch --index-url https://download.pytorch.org/whl/cu128"   (pick your torch build)
 #
+#   make tensorboard         TensorBoard on the runs the labs wrote (lab 10): training curves, hardware series, traces
+#   make tensorboard TB_ARGS="--host 0.0.0.0 --port 6006"   (a cluster node; tunnel the port)
 #   make student             write build/student/: the labs with exercise solutions stubbed
 #   make gpu-check           on a GPU machine: every lab under the gpu profile and the GPU benchmarks,
 #                            one JSON naming the device (results/gpu-check.json); no CUDA: CPU checks only
@@ -27,6 +29,7 @@ LAB_ARGS   ?=
 PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 GPU_CHECK_ARGS ?=
+TB_ARGS    ?=
 # Offline by default: GPTQModel's H100 kernel (Machete) would download CUTLASS at first use; set 0 to allow it.
 GPTQMODEL_OFFLINE ?= 1
 PY         := $(VENV)/bin/python
@@ -38,7 +41,7 @@ STAMP      := $(VENV)/.labkit-installed-$(SETUP_HASH)
 # this clone's labkit, also where the venv's editable install points at another clone (VENV=)
 RUN        := PATH="$(abspath $(VENV))/bin:$$PATH" PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}"
 
-.PHONY: lab lab-solutions test lint gpu-check student setup prepare doctor clean
+.PHONY: lab lab-solutions test lint gpu-check student setup prepare doctor clean tensorboard
 
 # Both open working copies under build/, never the tracked notebooks: running a lab modifies no tracked
 # file, and a copy a student has changed is never overwritten (an unchanged one follows the course).
@@ -77,6 +80,9 @@ gpu-check: prepare
 	$(RUN) HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 GPTQMODEL_OFFLINE=$(GPTQMODEL_OFFLINE) \
 	  $(PY) -m labkit gpu-check $(GPU_CHECK_ARGS)
 
+tensorboard: setup
+	$(RUN) $(PY) -m labkit tensorboard $(TB_ARGS)
+
 student: setup
 	$(RUN) $(PY) -m labkit student --labs labs --output build/student
 
@@ -89,7 +95,7 @@ $(STAMP):
 	# pin the torch already installed, so that no dependency (GPTQModel's newest release wants a
 	# newer torch) can swap it for a multi-GB download
 	$(PY) -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' > $(VENV)/constraints.txt
-	$(PY) -m pip install --quiet -c $(VENV)/constraints.txt -e ".[dev,gptq,qlora]"
+	$(PY) -m pip install --quiet -c $(VENV)/constraints.txt -e ".[dev,gptq,qlora,monitor]"
 	# torchao comes with GPTQModel, which does not need it for GPTQ; its CPU wheel prints load
 	# failures on every transformers import, so it is removed (reinstall it if you use it).
 	$(PY) -m pip uninstall --quiet --yes torchao

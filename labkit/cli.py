@@ -1,4 +1,4 @@
-"""Command line: `labkit doctor | prepare | shards | profile | lab | slurm | gpu-check | student`."""
+"""Command line: `labkit doctor | prepare | shards | profile | lab | tensorboard | slurm | gpu-check | student`."""
 
 from __future__ import annotations
 
@@ -104,6 +104,26 @@ def _lab(args: argparse.Namespace) -> int:
     os.execv(jupyter, cmd)
 
 
+def _tensorboard(args: argparse.Namespace) -> int:
+    logdir = args.logdir or (LABS_DIR.parent / "build" if LABS_DIR.is_dir() else Path.cwd())
+    if not Path(logdir).is_dir():
+        raise ValueError(
+            f"no such folder {logdir}: run lab 10 first (it writes runs/ beside the notebook), or give --logdir"
+        )
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        print(
+            "labkit tensorboard: TensorBoard is not installed; run `pip install -e .[monitor]` (or `make lab`)",
+            file=sys.stderr,
+        )
+        return 1
+    # Offline: TensorBoard serves its own pages from the package; it fetches nothing at run time.
+    cmd = [sys.executable, "-m", "tensorboard.main", f"--logdir={logdir}", f"--host={args.host}", f"--port={args.port}"]
+    print("starting:", " ".join(cmd), flush=True)
+    os.execv(sys.executable, cmd)
+
+
 def _slurm(args: argparse.Namespace) -> int:
     from labkit import assets
     from labkit.parallel.slurm import slurm_script
@@ -200,6 +220,13 @@ def main(argv: list[str] | None = None) -> int:
         help="serve this folder as it is instead of working copies (default outside a clone: the current folder)",
     )
     p.set_defaults(func=_lab)
+    p = sub.add_parser(
+        "tensorboard", help="open TensorBoard on the course's runs (lab 10's curves and traces), offline"
+    )
+    p.add_argument("--logdir", type=Path, help="the runs to show (default: build/, where `make lab` runs the labs)")
+    p.add_argument("--host", default="127.0.0.1", help="127.0.0.1, or 0.0.0.0 on a cluster node (tunnel the port)")
+    p.add_argument("--port", type=int, default=6006)
+    p.set_defaults(func=_tensorboard)
     p = sub.add_parser(
         "slurm",
         help="write an sbatch script running a labkit script under torchrun on N nodes",

@@ -25,8 +25,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
-from labkit import assets, bench, precision
+from labkit import assets, bench, monitor, precision
 from labkit.checkpoint import latest_checkpoint, load_checkpoint, remove_unfinished, save_checkpoint
+from labkit.profiler import phase
 from labkit.torchutil import activation_checkpointing, check_token_ids, is_int, is_number, seeded, vocab_size
 
 SCHEDULES = ("cosine", "linear", "constant")
@@ -54,6 +55,7 @@ class TrainConfig:
     checkpoint_every: int = 0  # 0: only at the end (when checkpoint_dir is set)
     keep_checkpoints: int = 2
     log_path: str | None = None
+    tensorboard_dir: str | None = None  # a TensorBoard run: train/* scalars and the hardware's system/* beside them
     progress: bool = True
     extra: dict[str, Any] = field(default_factory=dict)  # free-form notes saved with the run
 
@@ -67,7 +69,7 @@ class TrainConfig:
             value = getattr(self, name)
             if not is_number(value):
                 raise TypeError(f"{name} must be a finite number, got {value!r}")
-        for name in ("checkpoint_dir", "log_path"):  # kept as text: the config is saved as JSON in checkpoints
+        for name in ("checkpoint_dir", "log_path", "tensorboard_dir"):  # text: saved as JSON in checkpoints
             if isinstance(getattr(self, name), os.PathLike):
                 setattr(self, name, os.fspath(getattr(self, name)))
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
@@ -212,9 +214,11 @@ def accumulate_gradients(
         # Under DDP, gradients are all-reduced only after the last micro-batch (lab 04).
         sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
         with sync:
-            s = loss_sum(model, mb, policy)
-            loss = s / divisor
-            (scaler.scale(loss) if scaler is not None else loss).backward()
+            with phase("forward"):
+                s = loss_sum(model, mb, policy)
+                loss = s / divisor
+            with phase("backward"):
+                (scaler.scale(loss) if scaler is not None else loss).backward()
         loss_sums.append(s.detach())
     return torch.stack(loss_sums).sum().item() / max(1, sum(counts)), sum(counts)
 
@@ -242,13 +246,14 @@ def train_step(
             f"non-finite loss {loss}: lower the learning rate, check the data, or use "
             "fp32/bf16 (fp16 runs skip such steps through the loss scaler)"
         )
-    scaler.unscale_(optimizer)
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip is not None else float("inf"))
-    scale = scaler.get_scale()
-    scaler.step(optimizer)  # skipped by the scaler when fp16 gradients overflowed
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
+    with phase("optimizer"):  # clipping included
+        scaler.unscale_(optimizer)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip is not None else float("inf"))
+        scale = scaler.get_scale()
+        scaler.step(optimizer)  # skipped by the scaler when fp16 gradients overflowed
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
     return {
         "loss": loss,
         "tokens": tokens,
@@ -338,7 +343,8 @@ def fit(model: nn.Module, loader: Iterable, cfg: TrainConfig) -> list[dict[str, 
     cfg.seed for the run: dropout draws from it) in the caller's state. Resuming also sets NumPy's and
     Python's RNG to the checkpoint's, so that a resumed run draws what the uninterrupted one drew.
     """
-    for name, is_dir in (("checkpoint_dir", True), ("log_path", False)):  # before any work, not at the first save
+    outputs = (("checkpoint_dir", True), ("log_path", False), ("tensorboard_dir", True))
+    for name, is_dir in outputs:  # before any work, not at the first save
         if getattr(cfg, name) is not None and (problem := assets.output_path_problem(getattr(cfg, name), is_dir)):
             raise ValueError(f"{name}: {problem}")
     device = next(model.parameters()).device
@@ -374,33 +380,36 @@ def _fit(model: nn.Module, loader: Iterable, cfg: TrainConfig, device: torch.dev
         start, data = state["step"], DataStream(loader, **state["data"])
     history = []
     bar = tqdm(range(start, cfg.steps), desc="train", disable=not cfg.progress, initial=start, total=cfg.steps)
-    for step in bar:
-        lr = lr_at(step, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        micro = [as_batch(next(data), device) for _ in range(cfg.accum_steps)]
-        if step == start:  # once: a wrong tokenizer or vocab_size shows in the first batch, named here
-            for mb in micro:
-                check_token_ids(mb["input_ids"], vocab_size(model))
-                check_token_ids(mb["targets"][mb["targets"] != -100], vocab_size(model), "targets")
-        with bench.track_peak_memory(device) as memory, bench.stopwatch(device) as elapsed:
-            metrics = train_step(step_model, optimizer, micro, policy, scaler, cfg.grad_clip)
-        record = {
-            "step": step + 1,
-            "lr": lr,
-            **metrics,
-            "seconds": elapsed.seconds,  # memory: the step's peak
-            "tokens_per_s": metrics["tokens"] / elapsed.seconds,
-            "memory_bytes": memory.peak_bytes,
-        }
-        history.append(record)
-        if cfg.log_path and rank == 0:
-            bench.log_result(cfg.log_path, {"event": "train_step", **record})
-        bar.set_postfix(loss=f"{metrics['loss']:.3f}", lr=f"{lr:.2e}")
-        done = step + 1 == cfg.steps
-        if cfg.checkpoint_dir and (done or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)):
-            if rank == 0:
-                save_checkpoint(cfg.checkpoint_dir, model, optimizer, scaler, step + 1, data.state(), cfg)
-            if world > 1:
-                dist.barrier()  # no rank runs ahead of a checkpoint it may need to resume from
+    with monitor.training_log(cfg.tensorboard_dir if rank == 0 else None, device) as board:
+        for step in bar:
+            lr = lr_at(step, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            with phase("data"):
+                micro = [as_batch(next(data), device) for _ in range(cfg.accum_steps)]
+            if step == start:  # once: a wrong tokenizer or vocab_size shows in the first batch, named here
+                for mb in micro:
+                    check_token_ids(mb["input_ids"], vocab_size(model))
+                    check_token_ids(mb["targets"][mb["targets"] != -100], vocab_size(model), "targets")
+            with bench.track_peak_memory(device) as memory, bench.stopwatch(device) as elapsed:
+                metrics = train_step(step_model, optimizer, micro, policy, scaler, cfg.grad_clip)
+            record = {
+                "step": step + 1,
+                "lr": lr,
+                **metrics,
+                "seconds": elapsed.seconds,  # memory: the step's peak
+                "tokens_per_s": metrics["tokens"] / elapsed.seconds,
+                "memory_bytes": memory.peak_bytes,
+            }
+            history.append(record)
+            if cfg.log_path and rank == 0:
+                bench.log_result(cfg.log_path, {"event": "train_step", **record})
+            board(record)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", lr=f"{lr:.2e}")
+            done = step + 1 == cfg.steps
+            if cfg.checkpoint_dir and (done or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)):
+                if rank == 0:
+                    save_checkpoint(cfg.checkpoint_dir, model, optimizer, scaler, step + 1, data.state(), cfg)
+                if world > 1:
+                    dist.barrier()  # no rank runs ahead of a checkpoint it may need to resume from
     return history

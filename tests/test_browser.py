@@ -1,5 +1,6 @@
-"""JupyterLab in a real browser: start it the way `make lab` does, open lab 00 in headless Chromium,
-run every cell, and check that no cell failed and a plot rendered. A screenshot lands in
+"""JupyterLab and TensorBoard in a real browser: start JupyterLab the way `make lab` does, open lab 00 in headless
+Chromium, run every cell, and check that no cell failed and a plot rendered; start TensorBoard the way
+`make tensorboard` does on a training run's logs, and check that its loss curve shows. A screenshot lands in
 build/screenshots/. Needs Debian's `chromium` and `chromium-driver` (installed by .ci/run) and
 selenium; skipped where they are missing. The browser is told where both binaries are, so
 nothing is downloaded.
@@ -321,3 +322,52 @@ def test_a_failing_cell_is_reported_with_a_screenshot_and_the_state(jupyterlab, 
     assert (SCREENSHOTS / "failing_failure.png").stat().st_size > 0
     assert (SCREENSHOTS / "failing_console.log").exists()
     assert time.monotonic() - start < OPEN_TIMEOUT + 60  # found quickly, not after the run timeout
+
+
+def test_tensorboard_shows_a_training_runs_curves(browser, tmp_path):
+    """`labkit tensorboard` on a run that `fit` logged: the Time Series page lists the run and its train/loss card."""
+    pytest.importorskip("tensorboard")
+    import torch
+
+    from labkit.models import tiny_llama
+    from labkit.train import TrainConfig, fit
+
+    model = tiny_llama(64, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, seed=0)
+    data = [(torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))) for _ in range(6)]
+    fit(model, data, TrainConfig(steps=6, progress=False, tensorboard_dir=str(tmp_path / "runs" / "lab10")))
+    port = _free_port()
+    with open(tmp_path / "tensorboard.log", "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "labkit", "tensorboard", "--logdir", str(tmp_path / "runs"), f"--port={port}"],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        _wait_for_server(f"{base}/data/runs", proc, timeout=OPEN_TIMEOUT)
+        browser.get(f"{base}/#timeseries")
+        deadline = time.monotonic() + OPEN_TIMEOUT
+        tag_filter = "input[placeholder*='Filter tags']"  # cards render when scrolled to: show the train/ group
+        while not (boxes := browser.find_elements("css selector", tag_filter)) and time.monotonic() < deadline:
+            time.sleep(1)
+        if boxes:
+            from selenium.webdriver.common.keys import Keys
+
+            boxes[0].send_keys("^train/", Keys.ESCAPE)  # the filter, without its suggestion list
+        # the page's lines (run names, card titles, which show "train" and "/loss" on two lines), once no suggestion
+        # list is open
+        page = "return document.querySelector('mat-option') ? '' : document.body.innerText"
+        while not {"lab10", "train/loss"} <= {
+            x.strip() for x in browser.execute_script(page).replace("\n/", "/").split("\n")
+        }:
+            if time.monotonic() > deadline:
+                SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+                browser.save_screenshot(str(SCREENSHOTS / "tensorboard_failure.png"))
+                pytest.fail(f"TensorBoard did not show run lab10 and its train/loss card within {OPEN_TIMEOUT} s")
+            time.sleep(1)
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        browser.save_screenshot(str(SCREENSHOTS / "tensorboard.png"))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
