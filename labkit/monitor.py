@@ -185,11 +185,18 @@ class Sampler:
         else:
             t, watts = self.series("power_w")
             if len(watts) >= 2:
-                out["gpu"] = sum((t[i + 1] - t[i]) * (watts[i] + watts[i + 1]) / 2 for i in range(len(t) - 1))
+                out["gpu"] = integrate(t, watts)
         _, cpu = self.series("cpu_energy_j")
         if len(cpu) >= 2:
             out["cpu"] = sum(max(0.0, b - a) for a, b in zip(cpu, cpu[1:]))
         return out
+
+
+def integrate(times: list[float], values: list[float]) -> float:
+    """Trapezoid-rule integral of a sampled series (watts over seconds: joules)."""
+    if len(times) != len(values) or any(b < a for a, b in zip(times, times[1:])):
+        raise ValueError("need as many times as values, in increasing order")
+    return sum((times[i + 1] - times[i]) * (values[i] + values[i + 1]) / 2 for i in range(len(times) - 1))
 
 
 def energy_per_token(joules: float, tokens: int) -> float:

@@ -33,6 +33,7 @@ from labkit import bench
 
 PHASES = ("data", "forward", "backward", "optimizer")
 PREFIX = "labkit/"
+MATMUL = r"^aten::(mm|addmm|bmm|baddbmm)$"  # the operators that do a matrix product's work (linear calls them)
 COMMUNICATION = re.compile(r"nccl|gloo|c10d|all_?reduce|reduce_?scatter|all_?gather|broadcast", re.I)
 
 

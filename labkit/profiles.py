@@ -60,6 +60,8 @@ class Profile:
     scale_batch: int  # sequences per rank per step in lab 09
     scale_seq: int  # tokens per sequence in lab 09
     scale_steps: int  # steps per gradient-compression loss curve (lab 09); every rank reads its own blocks
+    profiled_steps: int  # steps recorded by the profiler in lab 10 (after one wait and one warm-up step)
+    compile_steps: bool  # lab 10 compiles the step with torch.compile (about 30 s of compiling on a 2-core CPU)
 
 
 PROFILES: dict[str, Profile] = {
@@ -109,6 +111,8 @@ PROFILES: dict[str, Profile] = {
             scale_batch=2,
             scale_seq=64,
             scale_steps=20,
+            profiled_steps=2,
+            compile_steps=False,  # CI: 33 s of inductor compilation for one comparison
         ),
         Profile(
             name="cpu",
@@ -154,6 +158,8 @@ PROFILES: dict[str, Profile] = {
             scale_batch=4,
             scale_seq=128,
             scale_steps=60,
+            profiled_steps=3,
+            compile_steps=True,
         ),
         Profile(
             name="gpu",
@@ -203,6 +209,8 @@ PROFILES: dict[str, Profile] = {
             scale_batch=4,
             scale_seq=256,
             scale_steps=80,
+            profiled_steps=5,
+            compile_steps=True,
         ),
     )
 }

@@ -201,6 +201,20 @@ class RankSampler(Sampler[int]):
         return math.ceil((self.n - self.rank) / self.world_size)
 
 
+class SlowDataset(Dataset):
+    """A dataset whose every item takes `delay` seconds more: a slow storage or decoding step, made on purpose."""
+
+    def __init__(self, dataset: Dataset, delay: float):
+        self.dataset, self.delay = dataset, delay
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        time.sleep(self.delay)
+        return self.dataset[index]
+
+
 def make_loader(
     paths: Sequence[str | Path],
     block_size: int,
@@ -214,11 +228,20 @@ def make_loader(
     tokenizer: str | None = None,
     shuffle: bool = True,
     prefetch_factor: int = 2,
+    sample_delay: float = 0.0,
 ) -> DataLoader:
-    """Batches of (input, target) blocks for one rank: seeded, multi-worker, pinned memory on a GPU."""
-    if batch_size < 1 or num_workers < 0:
-        raise ValueError(f"need batch_size >= 1 and num_workers >= 0, got {batch_size}, {num_workers}")
+    """Batches of (input, target) blocks for one rank: seeded, multi-worker, pinned memory on a GPU.
+
+    sample_delay: seconds each block waits before it is returned, a stand-in for decoding or tokenizing on the fly
+    (lab 10 starves a run with it, then feeds it with workers)."""
+    if batch_size < 1 or num_workers < 0 or not 0 <= sample_delay <= 60:
+        raise ValueError(
+            f"need batch_size >= 1, num_workers >= 0 and 0 <= sample_delay <= 60 s, "
+            f"got {batch_size}, {num_workers}, {sample_delay}"
+        )
     dataset = BlockDataset(paths, block_size, tokenizer)
+    if sample_delay:
+        dataset = SlowDataset(dataset, sample_delay)
     workers = {"num_workers": num_workers}
     if num_workers > 0:
         workers.update(prefetch_factor=prefetch_factor, persistent_workers=True)

@@ -14,7 +14,7 @@ import contextlib
 import json
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -271,6 +271,22 @@ def step_seconds(model: nn.Module, batch: dict[str, torch.Tensor], mode: str, re
     optimizer, scaler = make_optimizer(model, TrainConfig(steps=1)), policy.scaler()
     step = lambda: train_step(model, optimizer, [batch], policy, scaler, grad_clip=1.0)  # noqa: E731
     return bench.time_fn(step, warmup=1, repeats=repeats, device=device).median
+
+
+def stepper(model: nn.Module, loader: Iterable, cfg: TrainConfig) -> Callable[[], dict[str, Any]]:
+    """One optimizer step per call, as `fit` takes them (the same phases, marked for a profiler), at cfg.lr, without
+    fit's schedule, checkpoints or logs: what `labkit.profiler.profile_steps` and a timer wrap."""
+    device = next(model.parameters()).device
+    policy, optimizer, data = precision.policy(cfg.precision, device), make_optimizer(model, cfg), DataStream(loader)
+    scaler = policy.scaler(cfg.scale_growth_interval)
+    model.train()
+
+    def step() -> dict[str, Any]:
+        with phase("data"):
+            micro = [as_batch(next(data), device) for _ in range(cfg.accum_steps)]
+        return train_step(model, optimizer, micro, policy, scaler, cfg.grad_clip)
+
+    return step
 
 
 # ----------------------------------------------------------------------------- data position

@@ -5,7 +5,7 @@ A check runs the function on a few cases chosen to catch the usual mistakes, and
 expected, what came back, and a hint. A function that still raises NotImplementedError (the stub of
 the student build) gets a message saying which exercise is left, not a traceback.
 
-One module per lab (`lab00` … `lab09`), each importing only the labkit modules its checks compare with,
+One module per lab (`lab00` … `lab10`), each importing only the labkit modules its checks compare with,
 and `core` for what they share. The notebooks call every check as `checks.check_...`, and `checks.reveal` after a
 measurement the student was asked to predict: re-exported here.
 """
@@ -21,6 +21,7 @@ from labkit.checks.lab06 import check_nm_mask, check_overall_sparsity
 from labkit.checks.lab07 import check_gptq_column, check_pack_nibbles
 from labkit.checks.lab08 import check_lora_forward, check_lora_merge
 from labkit.checks.lab09 import check_zero1_step, check_zero_bytes
+from labkit.checks.lab10 import check_joules_per_token, check_matmul_share
 
 __all__ = [
     "CheckFailed",
@@ -44,5 +45,7 @@ __all__ = [
     "check_lora_forward",
     "check_lora_merge",
     "check_zero_bytes",
+    "check_matmul_share",
+    "check_joules_per_token",
     "check_zero1_step",
 ]
