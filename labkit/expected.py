@@ -206,6 +206,22 @@ EXPECTED: dict[str, dict[str, dict[str, Range]]] = {
             "final loss, PowerSGD rank 4": quality(7.15, 7.55),
         },
     },
+    "10": {
+        "smoke": {
+            "data share of the starved step": speed(0.4, 0.9),
+            "step time, starved / fed": speed(1.5, 5),
+            "matmul share of the operators' time": speed(0.3, 0.7),
+            "MFU of the step (fp32)": speed(0.1, 0.6),
+            "final loss, TensorBoard run": quality(10.55, 10.8),
+        },
+        "cpu": {
+            "data share of the starved step": speed(0.6, 0.9),
+            "step time, starved / fed": speed(1.8, 4),
+            "matmul share of the operators' time": speed(0.4, 0.75),
+            "MFU of the step (fp32)": speed(0.25, 0.7),
+            "final loss, TensorBoard run": quality(7.0, 7.5),
+        },
+    },
 }
 
 

@@ -123,8 +123,9 @@ def device_busy(events: list[dict[str, Any]]) -> float | None:
 
 @contextlib.contextmanager
 def _without_kineto_lines() -> Iterator[None]:
-    """Hold back the two lines torch 2.13's kineto writes to the process's stderr at every profiler start and stop
-    ("USDT: ... profiler_start"), which a notebook shows as stray output; anything else written there is passed on."""
+    """Hold back what torch 2.13 writes to the process's stderr around every profile, which a notebook shows as stray
+    output: kineto's two lines ("USDT: ... profiler_start") and the allocator's note that memory allocated before the
+    profile has no deallocation event in it. Anything else written there is passed on."""
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile(mode="w+b") as held:
@@ -136,7 +137,10 @@ def _without_kineto_lines() -> Iterator[None]:
             os.dup2(saved, 2)
             os.close(saved)
             held.seek(0)
-            rest = [line for line in held.read().decode(errors="replace").splitlines(True) if "USDT:" not in line]
+            lines = held.read().decode(errors="replace").splitlines(True)
+            rest = [
+                line for line in lines if "USDT:" not in line and "allocated before the profiling started" not in line
+            ]
             if rest:
                 sys.stderr.write("".join(rest))
 

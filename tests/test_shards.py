@@ -155,3 +155,15 @@ def test_paced_loader_yields_the_same_batches_each_at_least_delay_apart():
     assert time.perf_counter() - started >= 0.1
     with pytest.raises(ValueError, match="delay must be"):
         shards.PacedLoader(batches, -1)
+
+
+def test_a_sample_delay_slows_each_block_and_changes_nothing_else(shard_set):
+    import time
+
+    plain = next(iter(shards.make_loader(shard_set, 16, 4, seed=3)))
+    start = time.perf_counter()
+    slow = next(iter(shards.make_loader(shard_set, 16, 4, seed=3, sample_delay=0.05)))
+    assert time.perf_counter() - start >= 4 * 0.05  # four blocks, one after the other
+    assert all(torch.equal(a, b) for a, b in zip(plain, slow))
+    with pytest.raises(ValueError, match="sample_delay"):
+        shards.make_loader(shard_set, 16, 4, sample_delay=-1)
