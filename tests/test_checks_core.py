@@ -42,9 +42,9 @@ def test_a_wrong_answer_shows_one_line_in_ipython_not_a_traceback(capsys):
 
 
 def test_the_package_re_exports_every_check_of_every_lab():
-    labs = [importlib.import_module(f"labkit.checks.lab{n:02d}") for n in range(10)]
+    labs = [importlib.import_module(f"labkit.checks.lab{n:02d}") for n in range(11)]
     defined = {name: getattr(lab, name) for lab in labs for name in vars(lab) if name.startswith("check_")}
-    assert len(defined) == 20  # two exercises in each of labs 00 to 09
+    assert len(defined) == 22  # two exercises in each of labs 00 to 10
     assert sorted(checks.__all__) == sorted([*defined, "CheckFailed", "reveal"])
     assert all(getattr(checks, name) is fn for name, fn in defined.items())
     assert checks.CheckFailed is core.CheckFailed and issubclass(checks.CheckFailed, AssertionError)

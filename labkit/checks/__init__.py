@@ -45,7 +45,7 @@ __all__ = [
     "check_lora_forward",
     "check_lora_merge",
     "check_zero_bytes",
+    "check_zero1_step",
     "check_matmul_share",
     "check_joules_per_token",
-    "check_zero1_step",
 ]
