@@ -29,7 +29,6 @@ import torch
 from labkit import bench, flops
 
 RAPL = Path("/sys/class/powercap/intel-rapl:0/energy_uj")  # the CPU package; AMD's kernels use the same name
-NVML_FIELDS = ("gpu_util", "gpu_mem_util", "gpu_memory_bytes", "power_w", "sm_clock_mhz", "temperature_c")
 
 
 def _load_nvml() -> Any:
@@ -65,7 +64,6 @@ class Sampler:
         self._thread: threading.Thread | None = None
         self._process = psutil.Process()
         self._gpu = self._open_gpu(_load_nvml() if nvml == "auto" else nvml)
-        self._energy: dict[str, float] = {}  # first reading of each energy counter (joules)
 
     def _open_gpu(self, nvml: Any) -> Any:
         """An NVML handle for self.device, or None with the reason recorded."""
@@ -87,21 +85,25 @@ class Sampler:
 
     def _read_gpu(self, out: dict[str, float]) -> None:
         nvml, handle = self._gpu
-        readers = {
-            "gpu_util": lambda: nvml.nvmlDeviceGetUtilizationRates(handle).gpu,
-            "gpu_mem_util": lambda: nvml.nvmlDeviceGetUtilizationRates(handle).memory,
-            "gpu_memory_bytes": lambda: nvml.nvmlDeviceGetMemoryInfo(handle).used,
-            "power_w": lambda: nvml.nvmlDeviceGetPowerUsage(handle) / 1000,
-            "sm_clock_mhz": lambda: nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM),
-            "temperature_c": lambda: nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU),
-            "gpu_energy_j": lambda: nvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1000,
+
+        def utilization() -> tuple[float, float]:  # one NVML call gives both
+            rates = nvml.nvmlDeviceGetUtilizationRates(handle)
+            return rates.gpu, rates.memory
+
+        readers = {  # the names each call fills, and the call
+            ("gpu_util", "gpu_mem_util"): utilization,
+            ("gpu_memory_bytes",): lambda: (nvml.nvmlDeviceGetMemoryInfo(handle).used,),
+            ("power_w",): lambda: (nvml.nvmlDeviceGetPowerUsage(handle) / 1000,),
+            ("sm_clock_mhz",): lambda: (nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM),),
+            ("temperature_c",): lambda: (nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU),),
+            ("gpu_energy_j",): lambda: (nvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1000,),
         }
-        for name, read in readers.items():
-            if name not in self.unavailable:
+        for names, read in readers.items():
+            if names[0] not in self.unavailable:
                 try:
-                    out[name] = float(read())
+                    out.update(zip(names, map(float, read())))
                 except Exception as err:  # this GPU or driver does not report it
-                    self.unavailable[name] = f"NVML: {err}"
+                    self.unavailable.update(dict.fromkeys(names, f"NVML: {err}"))
 
     def _read_host(self, out: dict[str, float]) -> None:
         out["cpu_percent"] = psutil.cpu_percent(None)  # the whole machine, 100 = every core busy
@@ -260,7 +262,6 @@ class TensorBoardLog:
             raise ImportError(f"TensorBoard logging needs tensorboard (pip install 'labkit[monitor]'): {err}") from None
         self.logdir = Path(logdir)
         self.writer = SummaryWriter(log_dir=os.fspath(self.logdir))
-
         self._seen = 0  # samples already written
 
     def log_step(self, record: dict[str, Any]) -> None:

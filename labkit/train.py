@@ -14,7 +14,7 @@ import contextlib
 import json
 import math
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -273,6 +273,12 @@ def step_seconds(model: nn.Module, batch: dict[str, torch.Tensor], mode: str, re
     return bench.time_fn(step, warmup=1, repeats=repeats, device=device).median
 
 
+def next_window(data: Iterator, accum_steps: int, device: torch.device) -> list[dict[str, torch.Tensor]]:
+    """The next step's micro-batches on `device`, marked as the step's data phase for a profiler."""
+    with phase("data"):
+        return [as_batch(next(data), device) for _ in range(accum_steps)]
+
+
 def stepper(model: nn.Module, loader: Iterable, cfg: TrainConfig) -> Callable[[], dict[str, Any]]:
     """One optimizer step per call, as `fit` takes them (the same phases, marked for a profiler), at cfg.lr, without
     fit's schedule, checkpoints or logs: what `labkit.profiler.profile_steps` and a timer wrap."""
@@ -282,9 +288,7 @@ def stepper(model: nn.Module, loader: Iterable, cfg: TrainConfig) -> Callable[[]
     model.train()
 
     def step() -> dict[str, Any]:
-        with phase("data"):
-            micro = [as_batch(next(data), device) for _ in range(cfg.accum_steps)]
-        return train_step(model, optimizer, micro, policy, scaler, cfg.grad_clip)
+        return train_step(model, optimizer, next_window(data, cfg.accum_steps, device), policy, scaler, cfg.grad_clip)
 
     return step
 
@@ -401,8 +405,7 @@ def _fit(model: nn.Module, loader: Iterable, cfg: TrainConfig, device: torch.dev
             lr = lr_at(step, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            with phase("data"):
-                micro = [as_batch(next(data), device) for _ in range(cfg.accum_steps)]
+            micro = next_window(data, cfg.accum_steps, device)
             if step == start:  # once: a wrong tokenizer or vocab_size shows in the first batch, named here
                 for mb in micro:
                     check_token_ids(mb["input_ids"], vocab_size(model))
