@@ -1,5 +1,6 @@
 """labkit.checks.lab00: timing done right (sync, warm-up, median) and perplexity windows; each check passes the
-reference answer and fails the usual wrong answers with a message that says what to fix."""
+answer written here from the definition (not labkit's), whose values on small inputs are computed by hand, and fails
+the usual wrong answers with a message that says what to fix."""
 
 from __future__ import annotations
 
@@ -13,10 +14,6 @@ from labkit.checks import core, lab00
 
 def median_time(work, sync, clock, warmup, repeats):
     return bench.time_fn(work, warmup=warmup, repeats=repeats, clock=clock, sync=sync).median
-
-
-def test_median_time_check_passes_the_reference():
-    assert lab00.check_median_time(median_time) is median_time
 
 
 def timer_variant(sync_before=True, sync_after=True, reduce=statistics.median):
@@ -37,6 +34,18 @@ def timer_variant(sync_before=True, sync_after=True, reduce=statistics.median):
     return timer
 
 
+def test_hand_written_timer_measures_the_simulated_device_by_hand():
+    device = lab00._SimulatedGPU([5.0, 0.2, 0.1, 0.3, 4.0, 0.2])
+    # the 5 s warm-up is left out; each timed call takes its duration plus the 1 µs launch: median of
+    # 0.2, 0.1, 0.3, 4.0, 0.2 is 0.2
+    assert timer_variant()(device.fn, device.sync, device.clock, 1, 5) == pytest.approx(0.2 + 1e-6, abs=1e-12)
+
+
+def test_median_time_check_passes_a_hand_written_answer():
+    answer = timer_variant()
+    assert lab00.check_median_time(answer) is answer
+
+
 @pytest.mark.parametrize(
     "wrong, hint",
     [
@@ -51,8 +60,29 @@ def test_median_time_check_explains_wrong_answers(wrong, hint):
         lab00.check_median_time(wrong)
 
 
-def test_windows_check_passes_the_reference():
-    assert lab00.check_windows(evaluate.windows) is evaluate.windows
+def windows_by_hand(n_tokens, max_length, stride):
+    """Token 0 has no context; every later token is scored once, by the first window that reaches it."""
+    out, scored_before, begin = [], 1, 0
+    while begin < n_tokens:
+        end = min(begin + max_length, n_tokens)
+        first = max(scored_before, begin + 1)  # a window's own first token has no context in it
+        if end > first:
+            out.append((begin, end, end - first))
+        scored_before = max(scored_before, end)
+        if end == n_tokens:
+            break
+        begin += stride
+    return out
+
+
+def test_hand_written_windows_by_hand():
+    assert windows_by_hand(10, 4, 4) == [(0, 4, 3), (4, 8, 3), (8, 10, 1)]  # tokens 4 and 8 start a window
+    assert windows_by_hand(10, 4, 2) == [(0, 4, 3), (2, 6, 2), (4, 8, 2), (6, 10, 2)]  # 9 = every token after 0
+    assert windows_by_hand(3, 8, 8) == [(0, 3, 2)]
+
+
+def test_windows_check_passes_a_hand_written_answer():
+    assert lab00.check_windows(windows_by_hand) is windows_by_hand
 
 
 @pytest.mark.parametrize(

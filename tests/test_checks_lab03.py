@@ -1,16 +1,22 @@
-"""labkit.checks.lab03: token-normalized accumulation and the warm-up + cosine schedule; each check passes the
-reference answer and fails the usual wrong answers with a message that says what to fix."""
+"""labkit.checks.lab03: token-normalized accumulation and the warm-up + cosine schedule; each check passes an answer
+written here from the definition (not labkit's), whose values on small inputs are computed by hand, and fails the
+usual wrong answers with a message that says what to fix."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from labkit import train
 from labkit.checks import core, lab03
 
 
-def test_loss_divisors_check_passes_the_reference():
-    assert lab03.check_loss_divisors(train.loss_divisors) is train.loss_divisors
+def test_loss_divisors_check_passes_a_hand_written_answer():
+    def divisors_by_hand(counts):
+        return [sum(counts) for _ in counts]  # every micro-batch's summed loss over all the window's tokens
+
+    assert divisors_by_hand([300, 20, 80, 1]) == [401] * 4
+    assert lab03.check_loss_divisors(divisors_by_hand) is divisors_by_hand
 
 
 @pytest.mark.parametrize(
@@ -25,14 +31,22 @@ def test_loss_divisors_check_explains_wrong_answers(wrong, hint):
         lab03.check_loss_divisors(wrong)
 
 
-def lr_reference(step, steps, warmup, lr, min_lr):
-    return train.lr_at(
-        step, train.TrainConfig(steps=steps, warmup_steps=warmup, lr=lr, min_lr=min_lr, schedule="cosine")
-    )
+def lr_by_hand(step, steps, warmup, lr, min_lr):
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup - 1)
+    return min_lr + (lr - min_lr) * (1 + math.cos(math.pi * progress)) / 2
 
 
-def test_lr_at_check_passes_the_reference():
-    assert lab03.check_lr_at(lr_reference) is lr_reference
+def test_hand_written_schedule_by_hand():
+    assert lr_by_hand(0, 10, 3, 1e-3, 1e-4) == pytest.approx(1e-3 / 3)
+    assert lr_by_hand(2, 10, 3, 1e-3, 1e-4) == pytest.approx(1e-3)  # warm-up ends at lr
+    assert lr_by_hand(9, 10, 3, 1e-3, 1e-4) == pytest.approx(1e-4)  # the last step is min_lr
+    assert lr_by_hand(2, 5, 0, 1.0, 0.5) == pytest.approx(0.75)  # half-way: cos(π/2) = 0
+
+
+def test_lr_at_check_passes_a_hand_written_answer():
+    assert lab03.check_lr_at(lr_by_hand) is lr_by_hand
 
 
 @pytest.mark.parametrize(

@@ -1,17 +1,31 @@
-"""labkit.checks.lab07: one GPTQ column and packing 4-bit codes; each check passes the reference answer and fails
-the usual wrong answers with a message that says what to fix."""
+"""labkit.checks.lab07: one GPTQ column and packing 4-bit codes; each check passes an answer written here from
+the definition (not labkit's), whose values on small inputs are computed by hand, and fails the usual wrong answers
+with a message that says what to fix."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from labkit import quant
 from labkit.checks import core, lab07
 
 
-def test_gptq_column_check_passes_the_reference():
-    assert lab07.check_gptq_column(quant.quantize_column) is quant.quantize_column
+def column_by_hand(block, i, u, scale, zero, maxq):
+    """Round column i to the grid; spread its error, over the pivot u[i, i], along row i of u to the later columns."""
+    q = torch.clamp(torch.round(block[:, i] / scale) + zero, 0, maxq)
+    err = (block[:, i] - scale * (q - zero)) / u[i, i]
+    block[:, i + 1 :] -= err[:, None] * u[i, i + 1 :][None, :]
+    return q, err
+
+
+def test_gptq_column_check_passes_a_hand_written_answer():
+    block = torch.tensor([[0.5, 1.0]])
+    u = torch.tensor([[2.0, 1.0], [0.0, 1.0]])
+    q, err = column_by_hand(block, 0, u, torch.tensor([0.25]), torch.tensor([2.0]), 3)
+    # 0.5 / 0.25 + 2 = 4 is clamped to the top code 3, which means 0.25 · (3 − 2) = 0.25: error 0.25, over the
+    # pivot 2 = 0.125, taken once (u[0, 1] = 1) from the next column: 1.0 → 0.875
+    assert (q.tolist(), err.tolist(), block[0, 1].item()) == ([3.0], [0.125], 0.875)
+    assert lab07.check_gptq_column(column_by_hand) is column_by_hand
 
 
 def column_variant(clamp=True, pivot=True, update=True, sign=-1):
@@ -36,7 +50,7 @@ def column_variant(clamp=True, pivot=True, update=True, sign=-1):
         (column_variant(pivot=False), "divide the rounding error by the pivot"),
         (column_variant(update=False), "update the columns after i in place"),
         (column_variant(sign=+1), "you added it"),
-        (lambda *args: quant.quantize_column(*args)[0], "return a pair"),
+        (lambda *args: column_by_hand(*args)[0], "return a pair"),
     ],
 )
 def test_gptq_column_check_explains_wrong_answers(wrong, hint):
@@ -44,9 +58,11 @@ def test_gptq_column_check_explains_wrong_answers(wrong, hint):
         lab07.check_gptq_column(wrong)
 
 
-def test_pack_nibbles_check_passes_the_reference_signed_or_unsigned():
-    signed = lambda codes: quant.pack_rows(torch.tensor(codes)[:, None], 4)[:, 0].tolist()  # noqa: E731
+def test_pack_nibbles_check_passes_a_hand_written_answer_signed_or_unsigned():
     unsigned = lambda codes: [sum(c << 4 * j for j, c in enumerate(codes[k : k + 8])) for k in range(0, len(codes), 8)]  # noqa: E731
+    signed = lambda codes: [w - 2**32 if w >= 2**31 else w for w in unsigned(codes)]  # noqa: E731  int32 storage
+    assert unsigned(list(range(8))) == [0x76543210]  # code j in bits 4j … 4j+3
+    assert signed([15] * 8) == [-1]  # 0xFFFFFFFF as an int32
     assert lab07.check_pack_nibbles(signed) is signed
     assert lab07.check_pack_nibbles(unsigned) is unsigned
 

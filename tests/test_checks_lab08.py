@@ -1,9 +1,11 @@
-"""labkit.checks.lab08: the LoRA forward and merging an adapter; each check passes the reference answer and fails
-the usual wrong answers with a message that says what to fix."""
+"""labkit.checks.lab08: the LoRA forward and merging an adapter; each check passes an answer written here
+from the definition (not labkit's), whose values on small inputs are computed by hand, and fails the usual wrong
+answers with a message that says what to fix."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from labkit.checks import core, lab08
 
@@ -12,7 +14,11 @@ def reference_lora_forward(x, weight, bias, lora_A, lora_B, alpha, r):
     return x @ weight.T + bias + (x @ lora_A.T @ lora_B.T) * (alpha / r)
 
 
-def test_lora_forward_check_passes_the_reference():
+def test_lora_forward_check_passes_a_hand_written_answer():
+    x, w, b = torch.tensor([[1.0, 2.0]]), torch.eye(2), torch.tensor([0.5, 0.0])
+    a, up = torch.tensor([[1.0, 1.0]]), torch.tensor([[2.0], [0.0]])  # r = 1: x Aᵀ = 3, then B · 3 = (6, 0)
+    # base (1, 2) + (0.5, 0) plus alpha / r = 2 times (6, 0)
+    assert reference_lora_forward(x, w, b, a, up, 2.0, 1).tolist() == [[13.5, 2.0]]
     assert lab08.check_lora_forward(reference_lora_forward) is reference_lora_forward
 
 
@@ -30,8 +36,10 @@ def test_lora_forward_check_explains_wrong_answers(wrong, hint):
         lab08.check_lora_forward(wrong)
 
 
-def test_lora_merge_check_passes_the_reference():
+def test_lora_merge_check_passes_a_hand_written_answer():
     answer = lambda w, a, b, alpha, r: w + (alpha / r) * b @ a  # noqa: E731
+    a, up = torch.tensor([[1.0, 1.0]]), torch.tensor([[2.0], [0.0]])
+    assert answer(torch.eye(2), a, up, 2.0, 1).tolist() == [[5.0, 4.0], [0.0, 1.0]]  # I + 2 · [[2, 2], [0, 0]]
     assert lab08.check_lora_merge(answer) is answer
 
 
