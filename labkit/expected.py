@@ -244,10 +244,17 @@ def _fmt(x: float) -> str:
     return f"{x:.3g}" if x == 0 or 1e-3 <= abs(x) < 1e5 else f"{x:.1e}"
 
 
-def check(lab: str, measured: dict[str, float], profile: str | None = None) -> list[Row]:
-    """Print `measured` against the expected ranges of `lab` on `profile`; raise on a quality miss."""
+def check(
+    lab: str, measured: dict[str, float], profile: str | None = None, unmeasured: dict[str, str] | None = None
+) -> list[Row]:
+    """Print `measured` against the expected ranges of `lab` on `profile`; raise on a quality miss, and on a listed
+    figure that was neither measured nor named in `unmeasured` (figure -> why this machine cannot measure it)."""
     if lab not in EXPECTED:
         raise ValueError(f"no expected results for lab {lab!r}; known: {', '.join(EXPECTED)}")
+    unmeasured = unmeasured or {}
+    both = sorted(set(measured) & set(unmeasured))
+    if both:
+        raise ValueError(f"measured and unmeasured at once: {', '.join(both)}")
     name = profile or profiles.get_profile().name
     table = EXPECTED[lab].get(name)
     rows = [Row(k, float(v), None if table is None else table.get(k)) for k, v in measured.items()]
@@ -265,14 +272,17 @@ def check(lab: str, measured: dict[str, float], profile: str | None = None) -> l
             f"  {r.metric:<{width}}  {_fmt(r.value):>9}  expected {_fmt(r.expected.low)}–{_fmt(r.expected.high)}"
             f"{' (speed)' if r.expected.speed else ''}  {verdict}"
         )
+    missing = []
     for metric in [] if table is None else [m for m in table if m not in measured]:
-        print(f"  {metric:<{width}}  {'—':>9}  not measured on this machine")
+        if metric in unmeasured:
+            print(f"  {metric:<{width}}  {'—':>9}  not measured on this machine: {unmeasured[metric]}")
+        else:
+            print(f"  {metric:<{width}}  {'—':>9}  MISSING")
+            missing.append(metric)
     failed = [r for r in rows if r.ok is False and not r.expected.speed]
-    if failed:
-        raise ExpectationFailed(
-            f"lab {lab}, profile {name!r}: "
-            + "; ".join(
-                f"{r.metric} = {_fmt(r.value)} not in [{_fmt(r.expected.low)}, {_fmt(r.expected.high)}]" for r in failed
-            )
-        )
+    problems = [
+        f"{r.metric} = {_fmt(r.value)} not in [{_fmt(r.expected.low)}, {_fmt(r.expected.high)}]" for r in failed
+    ] + [f"{m} was never measured (measure it, or name it in unmeasured= with the reason)" for m in missing]
+    if problems:
+        raise ExpectationFailed(f"lab {lab}, profile {name!r}: " + "; ".join(problems))
     return rows

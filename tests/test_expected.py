@@ -46,9 +46,23 @@ def test_a_profile_without_figures_shows_the_values_and_checks_nothing(capsys):
     assert "No reference figures recorded for profile 'gpu'" in capsys.readouterr().out
 
 
-def test_a_figure_this_machine_cannot_measure_is_listed_not_failed(capsys):
-    check("02", {"final loss, fp32": 7.4}, profile="cpu")  # no bf16 on this CPU
-    assert "final loss, bf16" in capsys.readouterr().out.split("not measured")[0]
+def test_a_figure_this_machine_cannot_measure_is_listed_with_its_reason_not_failed(capsys):
+    why = "bf16 is emulated on this CPU"
+    unmeasured = {"final loss, bf16": why, "final loss difference bf16 - fp32": why}
+    check("02", {"final loss, fp32": 7.4, "bf16 step time / fp32": 30.0}, profile="cpu", unmeasured=unmeasured)
+    out = capsys.readouterr().out
+    assert "final loss, bf16" in out and f"not measured on this machine: {why}" in out
+
+
+def test_a_listed_figure_never_measured_fails_even_when_the_rest_pass(capsys):
+    with pytest.raises(ExpectationFailed, match="final loss, bf16 was never measured"):
+        check("02", {"final loss, fp32": 7.4}, profile="cpu")
+    assert "MISSING" in capsys.readouterr().out  # and the table was printed first
+
+
+def test_a_figure_cannot_be_measured_and_unmeasured_at_once():
+    with pytest.raises(ValueError, match="measured and unmeasured at once: perplexity"):
+        check("00", {"perplexity": 18.7}, profile="smoke", unmeasured={"perplexity": "no model"})
 
 
 def test_an_unknown_lab_is_a_clear_error():

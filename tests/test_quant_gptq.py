@@ -102,3 +102,36 @@ def test_layers_sharing_an_input_quantize_stacked_as_each_alone(act_order):
         assert torch.equal(part.codes, alone.codes) and torch.equal(part.g_idx, alone.g_idx)
         assert torch.equal(part.zeros, alone.zeros)
         torch.testing.assert_close(part.scales, alone.scales)
+
+
+def naive_gptq_codes(w: torch.Tensor, h: torch.Tensor, bits: int, group: int, damp: float) -> torch.Tensor:
+    """GPTQ as OBQ states it, in float64 and without any of labkit's machinery: quantize column i, spread its
+    error over the later columns by the inverse Hessian's row i, then remove variable i from that inverse
+    (H⁻¹ ← H⁻¹ − H⁻¹[:, i] H⁻¹[i, :] / H⁻¹[i, i]); a group's symmetric grid (fp16 scale, zero at the middle
+    code) is fitted to its columns as updated when the group starts."""
+    w, maxq = w.double().clone(), 2**bits - 1
+    h = h.double() + damp * h.double().diagonal().mean() * torch.eye(h.shape[0], dtype=torch.float64)
+    hinv = torch.linalg.inv(h)
+    codes = torch.empty_like(w)
+    for i in range(w.shape[1]):
+        if i % group == 0:
+            scale = (2 * w[:, i : i + group].abs().amax(dim=1) / maxq).half().double()
+            zero = (maxq + 1) // 2
+        codes[:, i] = torch.clamp(torch.round(w[:, i] / scale) + zero, 0, maxq)
+        err = (w[:, i] - scale * (codes[:, i] - zero)) / hinv[i, i]
+        w[:, i + 1 :] -= err[:, None] * hinv[i, i + 1 :][None, :]
+        hinv = hinv - hinv[:, i : i + 1] @ hinv[i : i + 1, :] / hinv[i, i]
+    return codes
+
+
+@pytest.mark.parametrize("bits, group_size", [(4, 32), (3, 32), (4, -1)])
+def test_gptq_codes_equal_a_naive_float64_obq_loop(bits, group_size):
+    """The Cholesky factor, the lazy block updates and the group grids change how GPTQ is computed, not its
+    result: every code equals the textbook loop's, on a layer where GPTQ and RTN disagree."""
+    w = torch.randn(24, 96, generator=torch.Generator().manual_seed(1))
+    h = hessian_of(correlated_inputs(512, 96, seed=2))
+    cfg = QuantConfig(bits=bits, group_size=group_size, block_size=32)  # three blocks of lazy updates
+    ours = gptq_quantize(w, h, cfg).codes
+    reference = naive_gptq_codes(w, h, bits, group_size if group_size != -1 else 96, cfg.damp)
+    assert torch.equal(ours.double(), reference)
+    assert (ours != quantize_rtn(w, cfg).codes).float().mean() > 0.1  # the error feedback moved many codes
