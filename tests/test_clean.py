@@ -51,6 +51,15 @@ def test_pipeline_removes_exactly_the_injected_dirt():
     assert removed["exact duplicates"] == injected["exact"]  # the messy copies match after normalization
     assert removed["near duplicates"] == injected["near"]
     assert len(kept) == len(original)  # one survivor per duplicate group (the first one seen)
+    # and the right ones: every original text, except where its one-word edit came first and stands for it
+    extra, lost = set(kept) - set(original), set(original) - set(kept)
+    assert len(set(kept)) == len(kept) and len(extra) == len(lost) <= injected["near"]
+    for edit in extra:
+        words = edit.split(" ")
+        assert "CHANGED" in words and any(
+            sum(a != b for a, b in zip(words, o.split(" "))) == 1 and len(o.split(" ")) == len(words) for o in lost
+        ), edit[:80]
+    assert not any(t.startswith("Stub article") for t in kept)
     assert [r.docs_out for r in reports][-1] == len(kept)
     assert "normalize" in str(reports[0])
 
