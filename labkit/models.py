@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -44,6 +46,21 @@ def resolve_model(name: str) -> str:
     )
 
 
+@contextmanager
+def _no_loading_bar() -> Iterator[None]:
+    """transformers draws a progress bar over the tensors it reads: noise for a model loaded in a second, and in a
+    saved notebook a widget frozen at its first frame. Off while loading, then as it was."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
 def load_model(
     name: str = DEFAULT_MODEL,
     *,
@@ -58,8 +75,9 @@ def load_model(
     if device is not None:
         device_of(device)  # a bad device is refused before the weights are read
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code)
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        with _no_loading_bar():
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code)
+            tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     except OSError as err:
         raise OSError(
             f"could not load model {name!r} from {source!r}: {err}\n"

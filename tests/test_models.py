@@ -37,10 +37,11 @@ def test_count_parameters_counts_tied_weights_once():
     assert models.count_parameters(m, trainable_only=True) == models.count_parameters(m) - 3 * 16 * 32
 
 
-def test_local_directory_round_trip(tmp_path):
+def test_local_directory_round_trip(tmp_path, capfd):
     from tokenizers import Tokenizer
     from tokenizers import models as tmodels
     from transformers import PreTrainedTokenizerFast
+    from transformers.utils import logging as hf_logging
 
     model = models.tiny_llama()
     model.save_pretrained(tmp_path)
@@ -54,6 +55,14 @@ def test_local_directory_round_trip(tmp_path):
     assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
     assert loaded_tok.pad_token == "t1"  # pad falls back to EOS
     assert not loaded.training
+    # no "Loading weights" bar (a frozen widget in a saved notebook), and the setting left as it was
+    for setting in (hf_logging.disable_progress_bar, hf_logging.enable_progress_bar):
+        setting()
+        was_on = hf_logging.is_progress_bar_enabled()
+        capfd.readouterr()
+        models.load_model(str(tmp_path))
+        assert "Loading weights" not in capfd.readouterr().err
+        assert hf_logging.is_progress_bar_enabled() == was_on
 
 
 def test_unknown_names_get_a_clear_error(tmp_path):
