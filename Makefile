@@ -10,6 +10,9 @@
 #
 #   make tensorboard         TensorBoard on the runs the labs wrote (lab 10): training curves, hardware series, traces
 #   make tensorboard TB_ARGS="--host 0.0.0.0 --port 6006"   (a cluster node; tunnel the port)
+#   make execute             run every lab top to bottom in a fresh kernel and write it back with its outputs and
+#                            the machine it ran on (a lab that fails is left as it was; its partial run: build/execute/)
+#   make execute EXECUTE_ARGS="--profile cpu labs/06_magnitude_pruning.ipynb"   (one lab, a chosen profile)
 #   make student             write build/student/: the labs with exercise solutions stubbed
 #   make gpu-check           on a GPU machine: every lab under the gpu profile and the GPU benchmarks,
 #                            one JSON naming the device (results/gpu-check.json); no CUDA: CPU checks only
@@ -29,6 +32,7 @@ LAB_ARGS   ?=
 PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 GPU_CHECK_ARGS ?=
+EXECUTE_ARGS ?=
 TB_ARGS    ?=
 # Offline by default: GPTQModel's H100 kernel (Machete) would download CUTLASS at first use; set 0 to allow it.
 GPTQMODEL_OFFLINE ?= 1
@@ -41,7 +45,7 @@ STAMP      := $(VENV)/.labkit-installed-$(SETUP_HASH)
 # this clone's labkit, also where the venv's editable install points at another clone (VENV=)
 RUN        := PATH="$(abspath $(VENV))/bin:$$PATH" PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}"
 
-.PHONY: lab lab-solutions test lint gpu-check student setup prepare doctor clean tensorboard
+.PHONY: lab lab-solutions test lint gpu-check execute student setup prepare doctor clean tensorboard
 
 # Both open working copies under build/, never the tracked notebooks: running a lab modifies no tracked
 # file, and a copy a student has changed is never overwritten (an unchanged one follows the course).
@@ -79,6 +83,10 @@ lint: setup
 gpu-check: prepare
 	$(RUN) HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 GPTQMODEL_OFFLINE=$(GPTQMODEL_OFFLINE) \
 	  $(PY) -m labkit gpu-check $(GPU_CHECK_ARGS)
+
+execute: prepare
+	$(RUN) HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 GPTQMODEL_OFFLINE=$(GPTQMODEL_OFFLINE) \
+	  $(PY) -m labkit execute $(EXECUTE_ARGS)
 
 tensorboard: setup
 	$(RUN) $(PY) -m labkit tensorboard $(TB_ARGS)

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 LABS_DIR = Path(__file__).resolve().parent.parent / "labs"
@@ -167,6 +168,32 @@ def _gpu_check(args: argparse.Namespace) -> int:
     return 1 if any(s["status"] not in ("passed", "skipped") for s in report["steps"]) else 0
 
 
+def _execute(args: argparse.Namespace) -> int:
+    from nbclient.exceptions import CellExecutionError
+
+    from labkit import profiles
+    from labkit.execute import execute
+
+    notebooks = args.notebooks or sorted(LABS_DIR.glob("[0-9][0-9]_*.ipynb"))
+    profile = args.profile or profiles.get_profile().name  # $LABKIT_PROFILE, else auto-detected
+    failed = []
+    for path in notebooks:
+        start = time.perf_counter()
+        print(f"{Path(path).name}: running under profile {profile!r} ...", flush=True)
+        try:
+            dropped = execute(path, profile, timeout=args.timeout)
+        except CellExecutionError as err:
+            failed.append(Path(path).name)
+            print(str(err).strip().splitlines()[-1])
+            continue
+        print(f"{Path(path).name}: written back after {time.perf_counter() - start:.0f} s", flush=True)
+        for line in dropped:
+            print(f"  dropped {line}")
+    if failed:
+        print(f"failed (left as they were): {', '.join(failed)}")
+    return 1 if failed else 0
+
+
 def _student(args: argparse.Namespace) -> int:
     from labkit.student import build_student
 
@@ -250,6 +277,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-labs", action="store_true", help="benchmarks only (minutes instead of an hour)")
     p.add_argument("--plan", action="store_true", help="print the steps it would run, and run nothing")
     p.set_defaults(func=_gpu_check)
+    p = sub.add_parser(
+        "execute",
+        help="run labs top to bottom in a fresh kernel and write them back with their outputs and the machine "
+        "they ran on (a lab that fails is left as it was)",
+    )
+    p.add_argument("notebooks", nargs="*", type=Path, help="the notebooks (default: every lab in labs/)")
+    p.add_argument("--profile", choices=("smoke", "cpu", "gpu"), help="default: $LABKIT_PROFILE, else auto-detected")
+    p.add_argument("--timeout", type=int, default=7200, help="seconds per cell (default: %(default)s)")
+    p.set_defaults(func=_execute)
     p = sub.add_parser("student", help="write the student notebooks: solutions replaced by stubs, outputs cleared")
     p.add_argument("--labs", default=str(LABS_DIR), help="the solution notebooks (default: the course's labs/)")
     p.add_argument("--output", "-o", default="build/student", help="where to write them (default: build/student)")

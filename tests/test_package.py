@@ -18,7 +18,7 @@ FOUNDATION = {"torchutil", "profiles", "assets", "precision", "plots", "data", "
 FOUNDATION |= {"profiler", "monitor"}  # measurement, like bench: the trainer marks its phases and logs through them
 SHARED = {"evaluate", "checkpoint", "train"}
 TECHNIQUES = {"clean", "tokenizer", "shards", "activations", "parallel", "prune", "quant", "tasks", "lora"}
-TOP = {"checks", "expected", "gpucheck", "student", "cli", "__main__"}
+TOP = {"checks", "expected", "gpucheck", "student", "execute", "cli", "__main__"}
 # Technique modules import each other only where one is built on the other.
 BUILT_ON = {
     ("shards", "tokenizer"): "lab 01's shards are tagged with the tokenizer that made them",
