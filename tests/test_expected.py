@@ -40,6 +40,15 @@ def test_a_speed_miss_is_reported_not_failed(capsys):
     assert "speed depends on your hardware" in capsys.readouterr().out
 
 
+def test_a_resident_set_miss_is_reported_with_its_reason_not_failed(capsys):
+    rows = check("09", {"added / predicted state, FSDP2": 0.53}, profile="smoke", unmeasured=UNMEASURED_09)
+    assert rows[0].ok is False
+    assert "0.53  expected 0.9–1.1 (reported only)  outside: the resident set depends" in capsys.readouterr().out
+
+
+UNMEASURED_09 = {m: "not this test's" for m in EXPECTED["09"]["smoke"] if m != "added / predicted state, FSDP2"}
+
+
 def test_a_profile_without_figures_shows_the_values_and_checks_nothing(capsys):
     rows = check("00", {"perplexity": 99.0}, profile="gpu")
     assert rows[0].ok is None

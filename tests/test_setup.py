@@ -106,7 +106,7 @@ def test_a_set_up_venv_is_used_not_reinstalled_from_a_newer_clone(clone_and_venv
     clone, venv = clone_and_venv
     _make(clone, "setup", f"VENV={venv}")  # the first setup, with the logging python
     calls = (venv / "calls.log").read_text()
-    assert "-m pip install --quiet --no-compile -c" in calls and "-e .[dev,gptq,qlora,monitor]" in calls, calls
+    assert "-m pip install --quiet -c" in calls and "-e .[dev,gptq,qlora,monitor]" in calls, calls
 
     # a fresh clone: its files are newer than everything in the venv
     earlier = (clone / "pyproject.toml").stat().st_mtime - 3600
@@ -129,8 +129,7 @@ def test_a_venv_set_up_from_another_pyproject_is_set_up_again(clone_and_venv):
     with open(clone / "pyproject.toml", "a") as f:
         f.write("# a changed dependency\n")
     dry = _make(clone, "-n", "setup", f"VENV={venv}")
-    pip = f"{venv}/bin/python -m pip install --quiet --no-compile"
-    install = f'{pip} -c {venv}/constraints.txt -e ".[dev,gptq,qlora,monitor]"'
+    install = f'{venv}/bin/python -m pip install --quiet -c {venv}/constraints.txt -e ".[dev,gptq,qlora,monitor]"'
     assert install in dry, dry
 
     # and so is one whose model package differs
