@@ -47,9 +47,9 @@ def resolve_model(name: str) -> str:
 
 
 @contextmanager
-def _no_loading_bar() -> Iterator[None]:
-    """transformers draws a progress bar over the tensors it reads: noise for a model loaded in a second, and in a
-    saved notebook a widget frozen at its first frame. Off while loading, then as it was."""
+def _no_progress_bar() -> Iterator[None]:
+    """transformers draws a progress bar over the tensors it reads or writes: noise for a model loaded or saved in
+    a second, and in a saved notebook a widget frozen at its first frame. Off meanwhile, then as it was."""
     from transformers.utils import logging as hf_logging
 
     was_on = hf_logging.is_progress_bar_enabled()
@@ -75,7 +75,7 @@ def load_model(
     if device is not None:
         device_of(device)  # a bad device is refused before the weights are read
     try:
-        with _no_loading_bar():
+        with _no_progress_bar():
             model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code)
             tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     except OSError as err:
@@ -93,7 +93,7 @@ def load_model(
 
 def save_model(model: nn.Module, tokenizer: PreTrainedTokenizerBase, dest: str | Path) -> Path:
     """save_pretrained (safetensors) model and tokenizer into `dest` atomically: load_model(dest) reloads it."""
-    with assets.atomic_directory(dest) as tmp:
+    with assets.atomic_directory(dest) as tmp, _no_progress_bar():
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     return Path(dest)
