@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import platform
 import shutil
@@ -13,8 +14,9 @@ from typing import Any
 import psutil
 import torch
 
+import labkit
 from labkit import assets, profiles
-from labkit.bench import cpu_model, fmt_bytes
+from labkit.bench import cpu_model, device_name, fmt_bytes
 
 
 def cpu_features() -> dict[str, bool]:
@@ -119,6 +121,33 @@ def collect() -> dict[str, Any]:
         },
         "profile": profiles.get_profile().name,
     }
+
+
+def fingerprint(profile: str) -> dict[str, Any]:
+    """The machine and software a run is on: CPU and its vector features, GPUs and driver, versions, date, profile.
+    `labkit execute` stores it in each notebook it writes; `banner` prints it as every lab's first line."""
+    cuda = torch.cuda.is_available()
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "profile": profile,
+        "cpu": cpu_model(),
+        "logical_cores": os.cpu_count(),
+        "cpu_features": sorted(k for k, v in cpu_features().items() if v),
+        "gpus": [g["name"] for g in gpus()] if cuda else [],
+        "nvidia_driver": _nvidia_driver() if cuda else None,
+        "packages": {"labkit": labkit.__version__, **{n: _package_version(n) for n in ("torch", "transformers")}},
+        "os": platform.platform(),
+    }
+
+
+def banner(profile: str, device: str | torch.device | None = None) -> str:
+    """Every lab's first line: labkit, the profile, the device with the CPU's vector features, torch, the date."""
+    fp = fingerprint(profile)
+    features = "/".join(fp["cpu_features"]) or "no AVX2"
+    return (
+        f"labkit {fp['packages']['labkit']} | profile {profile!r} | ran on {device_name(device)} [{features}] | "
+        f"torch {fp['packages']['torch']} | {fp['date']}"
+    )
 
 
 def _corpus_status() -> str:

@@ -8,14 +8,13 @@ its partial run goes to `failed_dir` for reading, and the committed notebook sta
 
 from __future__ import annotations
 
-import datetime
 import os
 import re
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from labkit import assets, profiles
+from labkit import assets, env, profiles
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 # what a cell's last expression leaves when it is a plotting call: `[<matplotlib.lines.Line2D at 0x…>]`, `<Axes: …>`
@@ -27,24 +26,6 @@ import tqdm.auto, tqdm.autonotebook, tqdm.std
 tqdm.auto.tqdm = tqdm.autonotebook.tqdm = tqdm.std.tqdm
 tqdm.auto.trange = tqdm.autonotebook.trange = tqdm.std.trange
 """
-
-
-def fingerprint(profile: str) -> dict[str, Any]:
-    """The machine and software a notebook ran on: CPU and its vector features, GPUs and driver, versions, date."""
-    from labkit import env
-
-    info = env.collect()
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "profile": profile,
-        "cpu": info["cpu"]["model"],
-        "logical_cores": info["cpu"]["logical_cores"],
-        "cpu_features": sorted(k for k, v in info["cpu"]["features"].items() if v),
-        "gpus": [g["name"] for g in info["gpus"]],
-        "nvidia_driver": info["nvidia_driver"],
-        "packages": info["packages"],
-        "os": info["os"],
-    }
 
 
 def last_frames(text: str) -> str:
@@ -113,11 +94,11 @@ def execute(
         startup = Path(ipython_dir) / "profile_default" / "startup"
         startup.mkdir(parents=True)
         (startup / "00-text-progress.py").write_text(_TEXT_PROGRESS)
-        env = {**os.environ, profiles.ENV_VAR: profile, "IPYTHONDIR": ipython_dir}
+        kernel_env = {**os.environ, profiles.ENV_VAR: profile, "IPYTHONDIR": ipython_dir}
         resources = {"metadata": {"path": path.parent}}  # the kernel runs in the notebook's folder
         client = NotebookClient(nb, timeout=timeout, kernel_name="python3", resources=resources)
         try:
-            client.execute(env=env)
+            client.execute(env=kernel_env)
         except CellExecutionError:
             partial = Path(failed_dir) / path.name
             partial.parent.mkdir(parents=True, exist_ok=True)
@@ -125,6 +106,6 @@ def execute(
             print(f"{path.name} failed under profile {profile!r}; the partial run is in {partial}, {path} is unchanged")
             raise
     dropped = tidy(nb)
-    nb.metadata["labkit"] = {"executed": fingerprint(profile)}
+    nb.metadata["labkit"] = {"executed": env.fingerprint(profile)}
     assets.atomic_write_text(path, nbformat.writes(nb))
     return dropped

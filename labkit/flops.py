@@ -108,6 +108,23 @@ def device_peak_flops(dtype: str, device: str | torch.device | None = None) -> f
     return None
 
 
+MAX_CPU_CLOCK_HZ = 6.5e9  # above every shipping CPU's boost clock (the fastest desktop parts reach ~6.2 GHz)
+
+
+def cpu_fp32_ceiling(cores: int, features: dict[str, bool]) -> float | None:
+    """A physical ceiling on fp32 FLOP/s for `cores` x86 cores (`features` as `env.cpu_features()` reports them):
+    each core retires at most two fused multiply-adds per cycle on its widest vectors (16 fp32 lanes with
+    AVX-512, 8 with AVX2, 4 with SSE), at no more than MAX_CPU_CLOCK_HZ. Not a peak to reach: a measurement
+    above it means the clock was read wrong. None where the features are unknown (not Linux on x86: Apple's
+    matrix units, for one, go past any such count)."""
+    if not isinstance(cores, int) or cores < 1:
+        raise ValueError(f"cores must be a positive int, got {cores!r}")
+    if not features:
+        return None
+    lanes = 16 if features.get("avx512f") else 8 if features.get("avx2") else 4
+    return cores * MAX_CPU_CLOCK_HZ * 2 * 2 * lanes  # 2 FMA units x 2 FLOPs per FMA x lanes
+
+
 def mfu(achieved_flops_per_s: float, peak_flops_per_s: float | None) -> float | None:
     """Model FLOPs utilization: achieved / peak, or None when the peak is unknown."""
     if achieved_flops_per_s < 0 or (peak_flops_per_s is not None and peak_flops_per_s < 0):

@@ -67,6 +67,25 @@ def test_gpu_report_shows_each_gpu():
     assert "bf16 True" in text and "570.1" in text
 
 
+def test_fingerprint_and_banner_name_the_machine(monkeypatch):
+    import platform
+
+    import torch
+
+    from labkit import bench
+
+    fp = env.fingerprint("smoke")
+    assert fp["profile"] == "smoke" and fp["cpu"] == bench.cpu_model() and fp["logical_cores"] == os.cpu_count()
+    assert fp["packages"]["torch"] == torch.__version__ and fp["os"] == platform.platform()
+    assert fp["gpus"] == [] or torch.cuda.is_available()
+    monkeypatch.setattr(env, "cpu_features", lambda: {"avx2": True, "avx512f": False, "amx_bf16": True})
+    line = env.banner("cpu", "cpu")
+    assert line.startswith("labkit 0.1.0 | profile 'cpu' | ran on CPU: ") and "[amx_bf16/avx2]" in line
+    assert f"torch {torch.__version__}" in line and line.endswith(" UTC")
+    monkeypatch.setattr(env, "cpu_features", lambda: {})
+    assert "[no AVX2]" in env.banner("cpu", "cpu")
+
+
 def test_unwritable_cache_is_reported_not_raised(monkeypatch, tmp_path):
     blocker = tmp_path / "f"
     blocker.write_text("")

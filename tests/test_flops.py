@@ -124,6 +124,28 @@ def test_matmul_throughput_on_cpu_and_its_errors():
         flops.matmul_throughput(0, "fp32", device="cpu")
 
 
+def test_cpu_fp32_ceiling_by_hand():
+    assert flops.cpu_fp32_ceiling(2, {"avx2": True, "avx512f": False}) == 2 * 6.5e9 * 2 * 2 * 8  # 416 GFLOP/s
+    assert flops.cpu_fp32_ceiling(1, {"avx2": True, "avx512f": True}) == 6.5e9 * 64
+    assert flops.cpu_fp32_ceiling(4, {"avx2": False}) == 4 * 6.5e9 * 16  # SSE: 4 lanes
+    assert flops.cpu_fp32_ceiling(8, {}) is None  # features unknown: no ceiling claimed
+    with pytest.raises(ValueError, match="cores"):
+        flops.cpu_fp32_ceiling(0, {"avx2": True})
+
+
+def test_a_measured_cpu_matmul_stays_under_the_physical_ceiling():
+    """A timing that drops work or reads the clock wrong lands above it; this machine's real sgemm does not."""
+    import os
+
+    from labkit import env
+
+    ceiling = flops.cpu_fp32_ceiling(os.cpu_count(), env.cpu_features())
+    if ceiling is None:
+        pytest.skip("CPU features unknown here (not Linux on x86)")
+    measured = flops.matmul_throughput(512, "fp32", device="cpu", warmup=1, repeats=3)["flops_per_s"]
+    assert 1e9 < measured <= ceiling
+
+
 def test_gpu_only_checks_say_why_on_cpu():
     support = flops.dtype_support("cpu")
     assert support["fp32"] is None and "NVIDIA" in support["tf32"]
