@@ -72,6 +72,34 @@ def tidy(nb: Any) -> list[str]:
     return dropped
 
 
+def problems(nb: Any) -> list[str]:
+    """What keeps a saved notebook from being one clean run: execution counts not 1, 2, 3 … over its code cells,
+    widget state or views, stray plotting reprs, no recorded fingerprint, or a first output that does not name the
+    fingerprint's CPU. Empty for a notebook `execute` wrote."""
+    found = []
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    counts = [c.execution_count for c in code]
+    if counts != list(range(1, len(code) + 1)):
+        found.append(f"execution counts are {counts}, not 1 … {len(code)}")
+    if "widgets" in nb.metadata:
+        found.append("widget state in the metadata")
+    for index, cell in enumerate(nb.cells):
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            if WIDGET_VIEW in data:
+                found.append(f"cell {index}: a widget view")
+            if out.output_type == "execute_result" and STRAY_REPR.match(data.get("text/plain", "")):
+                found.append(f"cell {index}: {data['text/plain'][:60]}")
+    executed = nb.metadata.get("labkit", {}).get("executed")
+    if not executed:
+        found.append("no fingerprint: not written by `labkit execute`")
+    else:
+        first = "".join(o.get("text", "") for o in (code[0].outputs if code else []) if o.output_type == "stream")
+        if executed["cpu"] not in first:
+            found.append(f"the first output does not name the CPU it ran on ({executed['cpu']})")
+    return found
+
+
 def execute(
     path: str | Path, profile: str, *, timeout: int | None = None, failed_dir: str | Path = "build/execute"
 ) -> list[str]:

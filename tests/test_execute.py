@@ -67,6 +67,25 @@ def test_a_lab_is_run_top_to_bottom_and_written_back_clean(tmp_path):
     assert nb.cells[3].outputs[0].data["text/plain"] == "42"
     executed = nb.metadata["labkit"]["executed"]
     assert executed["profile"] == "smoke" and executed["cpu"] and executed["packages"]["torch"]
+    # the one thing this lab lacks to pass the committed-notebook check: a first line naming the machine
+    assert execute.problems(nb) == [f"the first output does not name the CPU it ran on ({executed['cpu']})"]
+
+
+def test_problems_names_each_way_a_saved_notebook_falls_short():
+    nb = new_notebook(metadata={"widgets": {}})
+    cells = [new_code_cell("print(banner)", execution_count=1), new_code_cell("plt.plot()", execution_count=3)]
+    cells[0].outputs = [new_output("stream", name="stdout", text="labkit 0.1.0 | ran on CPU: Test CPU\n")]
+    cells[1].outputs = [new_output("execute_result", data={"text/plain": "[<matplotlib.lines.Line2D>]"})]
+    nb.cells = cells
+    assert execute.problems(nb) == [
+        "execution counts are [1, 3], not 1 … 2",
+        "widget state in the metadata",
+        "cell 1: [<matplotlib.lines.Line2D>]",
+        "no fingerprint: not written by `labkit execute`",
+    ]
+    nb.metadata = {"labkit": {"executed": {"cpu": "Test CPU"}}}
+    cells[1].execution_count, cells[1].outputs = 2, []
+    assert execute.problems(nb) == []
 
 
 def test_a_failing_lab_is_left_as_it_was_and_its_partial_run_kept(tmp_path):
