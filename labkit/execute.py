@@ -40,6 +40,17 @@ def last_frames(text: str) -> str:
     return "\n".join(lines)
 
 
+def _stray(out: Any) -> str | None:
+    """Why a saved output would not render as it ran, or None: a widget view (saved as its first frame), or the
+    text-only repr a plotting call leaves as a cell's last expression (a figure with its image is kept)."""
+    data = out.get("data", {})
+    if WIDGET_VIEW in data:
+        return "a widget view"
+    if out.output_type == "execute_result" and set(data) == {"text/plain"} and STRAY_REPR.match(data["text/plain"]):
+        return data["text/plain"][:60]
+    return None
+
+
 def tidy(nb: Any) -> list[str]:
     """Make saved outputs render as they ran: streams merged and reduced to their last frames, widget views and
     stray plotting reprs dropped, widget state removed. Returns what was dropped, one line each."""
@@ -56,14 +67,9 @@ def tidy(nb: Any) -> list[str]:
                 else:
                     kept.append(out)
                 continue
-            data = out.get("data", {})
-            if WIDGET_VIEW in data:
-                dropped.append(f"cell {index}: a widget view")
+            if why := _stray(out):
+                dropped.append(f"cell {index}: {why}")
                 continue
-            if out.output_type == "execute_result" and set(data) == {"text/plain"}:
-                if STRAY_REPR.match(data["text/plain"]):
-                    dropped.append(f"cell {index}: {data['text/plain'][:60]}")
-                    continue
             kept.append(out)
         for out in kept:
             if out.output_type == "stream":
@@ -84,12 +90,7 @@ def problems(nb: Any) -> list[str]:
     if "widgets" in nb.metadata:
         found.append("widget state in the metadata")
     for index, cell in enumerate(nb.cells):
-        for out in cell.get("outputs", []):
-            data = out.get("data", {})
-            if WIDGET_VIEW in data:
-                found.append(f"cell {index}: a widget view")
-            if out.output_type == "execute_result" and STRAY_REPR.match(data.get("text/plain", "")):
-                found.append(f"cell {index}: {data['text/plain'][:60]}")
+        found += [f"cell {index}: {why}" for out in cell.get("outputs", []) if (why := _stray(out))]
     executed = nb.metadata.get("labkit", {}).get("executed")
     if not executed:
         found.append("no fingerprint: not written by `labkit execute`")

@@ -84,7 +84,8 @@ def test_problems_names_each_way_a_saved_notebook_falls_short():
         "no fingerprint: not written by `labkit execute`",
     ]
     nb.metadata = {"labkit": {"executed": {"cpu": "Test CPU"}}}
-    cells[1].execution_count, cells[1].outputs = 2, []
+    figure = {"image/png": "iVBOR", "text/plain": "<Figure size 640x480 with 1 Axes>"}  # a figure, kept by tidy
+    cells[1].execution_count, cells[1].outputs = 2, [new_output("execute_result", data=figure)]
     assert execute.problems(nb) == []
 
 
