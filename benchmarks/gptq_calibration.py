@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from labkit import bench, evaluate, quant
+from labkit import bench, evaluate, quant, results
 from labkit.data import load_corpus
 from labkit.models import load_model
 from labkit.profiles import get_profile
@@ -26,7 +26,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=512)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="random draws of windows per size")
     parser.add_argument("--documents", type=int, default=profile.eval_documents)
-    parser.add_argument("--log", default="results/benchmarks.jsonl")
+    parser.add_argument("--results", default="results", help="folder for this run's JSON file")
     args = parser.parse_args()
     if min(args.blocks) < 1 or not args.seeds:
         raise SystemExit("--blocks must be positive and at least one seed is needed")
@@ -59,10 +59,9 @@ def main() -> None:
             f"{n * args.block_size:>7} tokens: GPTQ median {statistics.median(ppls):.2f} "
             f"(draws {min(ppls):.2f}–{max(ppls):.2f}), RTN {rtn:.2f}, fp32 {fp32:.2f}"
         )
-    bench.log_result(
-        args.log,
+    results.save_run(
+        "gptq_calibration",
         {
-            "benchmark": "gptq_calibration",
             "config": cfg.label(),
             "block_size": args.block_size,
             "documents": len(texts),
@@ -70,6 +69,7 @@ def main() -> None:
             "rtn": rtn,
             "runs": runs,
         },
+        root=args.results,
     )
 
 

@@ -14,7 +14,7 @@ import tempfile
 
 import torch
 
-from labkit import bench, quant
+from labkit import bench, quant, results
 from labkit.data import load_corpus
 from labkit.models import DEFAULT_MODEL, load_model
 from labkit.profiles import get_profile
@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=profile.bench_repeats)
-    parser.add_argument("--log", default="results/benchmarks.jsonl")
+    parser.add_argument("--results", default="results", help="folder for this run's JSON file")
     args = parser.parse_args()
     if not quant.gptqmodel_available():
         raise SystemExit("GPTQModel and optimum are needed: pip install -e '.[gptq]' (make does)")
@@ -48,7 +48,7 @@ def main() -> None:
             f"GPTQ {args.bits}-bit g{args.group_size}": lambda: quant.load_with_transformers(tmp, str(device)),
         }
         kernels = quant.gptq_kernels(quant.load_with_transformers(tmp, str(device)))
-        results = {
+        decodes = {
             label: bench.decode_benchmark(load, prompt, args.new_tokens, device=device, repeats=args.repeats)
             for label, load in loaders.items()
         }
@@ -56,27 +56,27 @@ def main() -> None:
         f"{DEFAULT_MODEL}, batch {args.batch}, {args.new_tokens} new tokens, on {bench.device_name(device)}; "
         f"GPTQModel kernels: {kernels}"
     )
-    for label, r in results.items():
+    for label, r in decodes.items():
         print(
             f"{label:>14}: {r['tokens_per_s']:8.1f} tokens/s, weights {bench.fmt_bytes(r['weights_bytes'])}, "
             f"generation +{bench.fmt_bytes(r['generate_bytes'])} ({r['memory_kind']})"
         )
-    dense, packed = results.values()
+    dense, packed = decodes.values()
     print(f"4-bit / dense decode speed: {packed['tokens_per_s'] / dense['tokens_per_s']:.2f}x")
-    bench.log_result(
-        args.log,
+    results.save_run(
+        "gptq_decode",
         {
-            "benchmark": "gptq_decode",
             "kernels": kernels,
             "batch": args.batch,
             "new_tokens": args.new_tokens,
             **{
                 f"{label} {key}": r[key]
-                for label, r in results.items()
+                for label, r in decodes.items()
                 for key in ("tokens_per_s", "weights_bytes", "generate_bytes")
             },
             "speedup": packed["tokens_per_s"] / dense["tokens_per_s"],
         },
+        root=args.results,
     )
 
 

@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from labkit import bench, evaluate, quant
+from labkit import bench, evaluate, quant, results
 from labkit.data import load_corpus
 from labkit.models import load_model
 from labkit.profiles import get_profile
@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=profile.calibration_blocks)
     parser.add_argument("--block-size", type=int, default=profile.calibration_block_size)
     parser.add_argument("--documents", type=int, default=profile.eval_documents)
-    parser.add_argument("--log", default="results/benchmarks.jsonl")
+    parser.add_argument("--results", default="results", help="folder for this run's JSON file")
     args = parser.parse_args()
     if not quant.gptqmodel_available():
         raise SystemExit("GPTQModel and optimum are needed: pip install -e '.[gptq]' (see README)")
@@ -45,15 +45,15 @@ def main() -> None:
         f"{cfg.label()}, damp {cfg.damp}, {calib.numel()} calibration tokens ({args.blocks} x {args.block_size}), "
         f"{len(texts)} validation articles, {bench.device_name()}"
     )
-    results = {"fp32": {"ppl": ppl(model)}}
+    methods = {"fp32": {"ppl": ppl(model)}}
     rtn = quant.quantize_model(model, cfg, method="rtn", progress=False)
-    results["rtn"] = {"ppl": ppl(rtn.model), "seconds": rtn.seconds}
+    methods["rtn"] = {"ppl": ppl(rtn.model), "seconds": rtn.seconds}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         start = time.perf_counter()
         ours = quant.quantize_model(model, cfg, calib, progress=False)
         quant.save_gptq(ours, tok, tmp / "labkit")
-        results["labkit"] = {"ppl": ppl(ours.model), "seconds": time.perf_counter() - start}
+        methods["labkit"] = {"ppl": ppl(ours.model), "seconds": time.perf_counter() - start}
         del ours
         model.save_pretrained(tmp / "fp32")
         tok.save_pretrained(tmp / "fp32")
@@ -61,36 +61,36 @@ def main() -> None:
         quant.quantize_with_gptqmodel(tmp / "fp32", calib, cfg, tmp / "gptqmodel")
         seconds = time.perf_counter() - start
         theirs = quant.load_gptq(tmp / "gptqmodel")
-        results["gptqmodel"] = {
+        methods["gptqmodel"] = {
             "ppl": ppl(theirs.model),
             "seconds": seconds,
             "ppl_own_kernel": ppl(quant.load_with_transformers(tmp / "gptqmodel")),
         }
 
-    fp, r, ours, theirs = (results[k]["ppl"] for k in ("fp32", "rtn", "labkit", "gptqmodel"))
+    fp, r, ours, theirs = (methods[k]["ppl"] for k in ("fp32", "rtn", "labkit", "gptqmodel"))
     summary = {
         "ppl_ratio_labkit_over_gptqmodel": ours / theirs,
-        "time_ratio_labkit_over_gptqmodel": results["labkit"]["seconds"] / results["gptqmodel"]["seconds"],
+        "time_ratio_labkit_over_gptqmodel": methods["labkit"]["seconds"] / methods["gptqmodel"]["seconds"],
         "rtn_loss_recovered_labkit": (r - ours) / (r - fp),
         "rtn_loss_recovered_gptqmodel": (r - theirs) / (r - fp),
     }
-    for name, res in results.items():
+    for name, res in methods.items():
         extra = f", {res['seconds']:.0f} s" if "seconds" in res else ""
         own = f" (own kernel: {res['ppl_own_kernel']:.2f})" if "ppl_own_kernel" in res else ""
         print(f"{name:>10}: perplexity {res['ppl']:.2f}{own}{extra}")
     for key, value in summary.items():
         print(f"{key}: {value:.3f}")
-    bench.log_result(
-        args.log,
+    results.save_run(
+        "gptq_parity",
         {
-            "benchmark": "gptq_parity",
             "config": cfg.label(),
             "damp": cfg.damp,
             "calibration_tokens": calib.numel(),
             "documents": len(texts),
-            "results": results,
+            "methods": methods,
             **summary,
         },
+        root=args.results,
     )
 
 

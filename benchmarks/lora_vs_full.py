@@ -15,7 +15,7 @@ import json
 import subprocess
 import sys
 
-from labkit import bench, lora, quant, tasks, train
+from labkit import bench, lora, quant, results, tasks, train
 from labkit.data import load_corpus
 from labkit.models import count_parameters, load_model
 from labkit.profiles import get_profile
@@ -73,14 +73,14 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--targets", nargs="+", default=["q_proj", "v_proj"])
     parser.add_argument("--methods", nargs="+", choices=sorted(LEARNING_RATES), default=["full", "lora", "qlora"])
-    parser.add_argument("--log", default="results/benchmarks.jsonl")
+    parser.add_argument("--results", default="results", help="folder for this run's JSON file")
     parser.add_argument("--child", choices=sorted(LEARNING_RATES), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(run_one(args.child, args)))
         return
 
-    results = {}
+    methods = {}
     if not {"full", "lora"} <= set(args.methods):
         raise SystemExit("--methods must include full and lora: the ratios compare them")
     for method in args.methods:
@@ -103,15 +103,15 @@ def main() -> None:
             *args.targets,
         ]
         out = subprocess.run(child, check=True, capture_output=True, text=True).stdout
-        results[method] = json.loads(out.strip().splitlines()[-1])
-    full, low = results["full"], results["lora"]
+        methods[method] = json.loads(out.strip().splitlines()[-1])
+    full, low = methods["full"], methods["lora"]
     if "qlora" in results:
-        results["qlora"]["method"] += " (GPTQ 4-bit base, packed)"
+        methods["qlora"]["method"] += " (GPTQ 4-bit base, packed)"
     print(
         f"{args.steps} steps x {args.batch_size} examples (max {args.max_length} tokens), {args.eval_examples} "
         f"held-out articles, {full['device']}; LoRA r={args.rank} on {', '.join(args.targets)}"
     )
-    for name, r in results.items():
+    for name, r in methods.items():
         print(
             f"{name:>5}: trainable {r['trainable']:,} ({100 * r['share']:.2f} %), step {r['step_seconds']:.2f} s, "
             f"peak {bench.fmt_bytes(r['peak_bytes'])} ({r['memory_kind']}), state {bench.fmt_bytes(r['state_bytes'])}, "
@@ -126,21 +126,21 @@ def main() -> None:
         "accuracy_full": full["accuracy"],
     }
     if "qlora" in results:
-        summary["peak_memory_ratio_qlora_over_full"] = results["qlora"]["peak_bytes"] / full["peak_bytes"]
-        summary["accuracy_qlora"] = results["qlora"]["accuracy"]
+        summary["peak_memory_ratio_qlora_over_full"] = methods["qlora"]["peak_bytes"] / full["peak_bytes"]
+        summary["accuracy_qlora"] = methods["qlora"]["accuracy"]
     for key, value in summary.items():
         print(f"{key}: {value:.4f}")
-    bench.log_result(
-        args.log,
+    results.save_run(
+        "lora_vs_full",
         {
-            "benchmark": "lora_vs_full",
             "profile": profile.name,
             "rank": args.rank,
             "targets": args.targets,
             "steps": args.steps,
-            "results": results,
+            "methods": methods,
             **summary,
         },
+        root=args.results,
     )
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from labkit import activations, bench, precision
+from labkit import activations, bench, precision, results
 from labkit.models import llama_shape, tiny_llama
 from labkit.parallel import launch, memory
 from labkit.profiles import get_profile
@@ -50,7 +50,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=profile.scale_batch)
     parser.add_argument("--seq", type=int, default=profile.scale_seq)
     parser.add_argument("--repeats", type=int, default=max(3, profile.bench_repeats))
-    parser.add_argument("--log", default="results/benchmarks.jsonl")
+    parser.add_argument("--results", default="results", help="folder for this run's JSON file")
     args = parser.parse_args()
     device = bench.as_device(None)
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
@@ -87,10 +87,9 @@ def main() -> None:
     }
     for claim, met in targets.items():
         print(f"{'met ' if met else 'MISS'}  {claim}")
-    bench.log_result(
-        args.log,
+    results.save_run(
+        "memory_at_scale",
         {
-            "benchmark": "memory_at_scale",
             "profile": profile.name,
             "ranks": ranks,
             "shape": {k: getattr(args, k) for k in ("vocab", "hidden", "layers", "batch", "seq")},
@@ -100,6 +99,7 @@ def main() -> None:
             "checkpointing_time_ratio": time_ratio,
             "targets_met": all(targets.values()),
         },
+        root=args.results,
     )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from labkit import bench
+from labkit import bench, results
 from labkit.data import load_corpus
 from labkit.evaluate import perplexity
 from labkit.models import DEFAULT_MODEL, load_model
@@ -21,7 +21,7 @@ def main() -> None:
     parser.add_argument("--split", default="validation")
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    parser.add_argument("--log", default="results/benchmarks.jsonl")
+    parser.add_argument("--results", default="results", help="folder for this run's JSON file")
     args = parser.parse_args()
 
     device = bench.as_device(args.device)
@@ -29,10 +29,9 @@ def main() -> None:
     texts = load_corpus(args.corpus, args.split)
     with bench.track_peak_memory(device) as mem, bench.stopwatch(device) as elapsed:
         result = perplexity(model, tokenizer, texts, max_length=args.max_length)
-    record = bench.log_result(
-        args.log,
+    saved = results.save_run(
+        "perplexity",
         {
-            "benchmark": "perplexity",
             "model": args.model,
             "corpus": args.corpus,
             "split": args.split,
@@ -44,12 +43,14 @@ def main() -> None:
             "peak_bytes": mem.peak_bytes,
             "memory_kind": mem.kind,
         },
+        root=args.results,
     )
     print(f"{args.model} on {args.corpus}/{args.split} ({len(texts)} documents, window {args.max_length}): {result}")
     print(
         f"{elapsed.seconds:.1f} s, {bench.tokens_per_second(result.tokens, elapsed.seconds):,.0f} tokens/s, "
-        f"{mem} on {record['device']}"
+        f"{mem} on {bench.device_name(device)}"
     )
+    print(f"saved {saved}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import statistics
 
 import torch
 
-from labkit import bench, flops, precision
+from labkit import bench, flops, precision, results
 from labkit.models import tiny_gpt2
 from labkit.train import TrainConfig, fit
 
@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--compile", action="store_true")
-    parser.add_argument("--log", default="results/benchmarks.jsonl")
+    parser.add_argument("--results", default="results", help="folder for this run's JSON file")
     args = parser.parse_args()
     device = bench.as_device(args.device)
     gen = torch.Generator().manual_seed(0)
@@ -39,6 +39,7 @@ def main() -> None:
         f"GPT-2 {args.layers} × {args.hidden}, batch {args.batch} × {args.seq}, {args.steps} steps, "
         f"compile={args.compile}, on {bench.device_name(device)}"
     )
+    modes = {}
     for mode in precision.MODES:
         try:
             precision.policy(mode, device)
@@ -62,17 +63,8 @@ def main() -> None:
             f"{mode:>5}: {tokens_per_s:>12,.0f} tokens/s, {achieved / 1e12:8.2f} TFLOP/s, "
             f"MFU {'n/a' if util is None else f'{util:.1%}'}"
         )
-        bench.log_result(
-            args.log,
-            {
-                "benchmark": "precision_mfu",
-                "mode": mode,
-                "tokens_per_s": tokens_per_s,
-                "flops_per_s": achieved,
-                "mfu": util,
-                **vars(args),
-            },
-        )
+        modes[mode] = {"tokens_per_s": tokens_per_s, "flops_per_s": achieved, "mfu": util}
+    results.save_run("precision_mfu", {"modes": modes, **vars(args)}, root=args.results)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from labkit import bench, evaluate, prune, quant
+from labkit import bench, evaluate, prune, quant, results
 from labkit.data import load_corpus
 from labkit.models import load_model
 from labkit.profiles import get_profile
@@ -31,7 +31,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=16, help="calibration windows")
     parser.add_argument("--block-size", type=int, default=512)
     parser.add_argument("--documents", type=int, default=profile.eval_documents)
-    parser.add_argument("--log", default="results/benchmarks.jsonl")
+    parser.add_argument("--results", default="results", help="folder for this run's JSON file")
     args = parser.parse_args()
 
     model, tok = load_model()
@@ -60,9 +60,10 @@ def main() -> None:
             zeros = prune.overall_sparsity(prune.sparsity_report(model))
             runs.append({"method": method, "sparsity": label, "zeros": zeros, "ppl": ppl(), "seconds": seconds})
             print(f"{label:>5} {method:>9}: perplexity {runs[-1]['ppl']:9.2f}, {zeros:.1%} zeros, {seconds:.0f} s")
-    bench.log_result(
-        args.log,
-        {"benchmark": "pruning_calibrated", "calibration_tokens": calib.numel(), "documents": len(texts), "runs": runs},
+    results.save_run(
+        "pruning_calibrated",
+        {"calibration_tokens": calib.numel(), "documents": len(texts), "runs": runs},
+        root=args.results,
     )
 
 

@@ -13,7 +13,7 @@ import copy
 
 import torch
 
-from labkit import bench, prune
+from labkit import bench, prune, results
 from labkit.models import count_parameters, load_model
 
 
@@ -22,7 +22,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default=None)
-    parser.add_argument("--log", default="results/benchmarks.jsonl")
+    parser.add_argument("--results", default="results", help="folder for this run's JSON file")
     args = parser.parse_args()
     device = bench.as_device(args.device)
     dense, _ = load_model("smollm2-135m", device=device)
@@ -47,7 +47,7 @@ def main() -> None:
             f"{name:>17}: {bench.fmt_seconds(t)}  ({t / med['dense']:.2f} x dense), "
             f"{count_parameters(models[name]) / 1e6:.1f} M parameters"
         )
-    record = {"benchmark": "pruning_speed", "tokens": args.tokens, "forward_s": med}
+    record = {"tokens": args.tokens, "forward_s": med}
     reason = prune.semi_structured_support(device)
     if reason:
         print(f"2:4 kernels: not measured — {reason}")
@@ -79,7 +79,7 @@ def main() -> None:
                 f"2:4 {out_f} x {in_f}, fp16, 4096 tokens: {r['speedup']:.2f}x "
                 f"(dense {bench.fmt_seconds(r['dense_s'])}, sparse {bench.fmt_seconds(r['sparse_s'])})"
             )
-    bench.log_result(args.log, record)
+    results.save_run("pruning_speed", record, root=args.results)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import time
 import torch
 from torch import nn
 
-from labkit import bench, evaluate, quant
+from labkit import bench, evaluate, quant, results
 from labkit.data import load_corpus
 from labkit.models import load_model
 from labkit.profiles import get_profile
@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=512)
     parser.add_argument("--documents", type=int, default=profile.eval_documents)
     parser.add_argument("--repeats", type=int, default=3, help="NF4 timing repeats")
-    parser.add_argument("--log", default="results/benchmarks.jsonl")
+    parser.add_argument("--results", default="results", help="folder for this run's JSON file")
     args = parser.parse_args()
 
     model, tok = load_model()
@@ -111,10 +111,9 @@ def main() -> None:
         f"labkit {parity['labkit_s']:.2f} s vs bitsandbytes {parity['bitsandbytes_s']:.2f} s "
         f"({parity['labkit_s'] / parity['bitsandbytes_s']:.2f}x, median of {args.repeats})"
     )
-    bench.log_result(
-        args.log,
+    results.save_run(
+        "quant_landscape",
         {
-            "benchmark": "quant_landscape",
             "group_size": args.group_size,
             "calibration_tokens": calib.numel(),
             "documents": len(texts),
@@ -122,6 +121,7 @@ def main() -> None:
             "awq_alphas": alphas,
             "nf4_parity": parity,
         },
+        root=args.results,
     )
 
 

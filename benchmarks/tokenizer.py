@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from labkit import bench
+from labkit import bench, results
 from labkit.data import load_corpus
 from labkit.tokenizer import hf_merges, train_bpe, train_hf_bpe
 
@@ -18,7 +18,7 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--documents", type=int, default=100_000, help="train-split documents (all by default)")
     parser.add_argument("--repeats", type=int, default=3, help="encoding repeats (the median is reported)")
-    parser.add_argument("--log", default="results/benchmarks.jsonl")
+    parser.add_argument("--results", default="results", help="folder for this run's JSON file")
     args = parser.parse_args()
 
     texts = load_corpus("wiki", "train")[: args.documents]
@@ -54,15 +54,15 @@ def main() -> None:
     for name, (mine, theirs) in rows.items():
         ratio = f"{theirs / mine:>7.1f}x" if mine else "       -"
         print(f"{name:<40} {mine or float('nan'):>10.3f} {theirs:>11.3f} {ratio}")
-    bench.log_result(
-        args.log,
+    results.save_run(
+        "tokenizer",
         {
-            "benchmark": "tokenizer",
             "vocab_size": args.vocab_size,
             "documents": len(texts),
             "merges_identical": same,
             **{k: list(v) for k, v in rows.items()},
         },
+        root=args.results,
     )
 
 

@@ -12,7 +12,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from labkit import bench
+from labkit import bench, results
 from labkit.models import tiny_gpt2
 from labkit.train import TrainConfig, fit, make_optimizer
 
@@ -22,7 +22,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default=None)
-    parser.add_argument("--log", default="results/benchmarks.jsonl")
+    parser.add_argument("--results", default="results", help="folder for this run's JSON file")
     args = parser.parse_args()
     device = bench.as_device(args.device)
     gen = torch.Generator().manual_seed(0)
@@ -60,7 +60,9 @@ def main() -> None:
     for name, t in med.items():
         print(f"{name:>18}: {bench.fmt_seconds(t)} per step (median of {args.repeats} runs)")
     print(f"trainer overhead: {overhead:+.1%} (target <= +3%)")
-    bench.log_result(args.log, {"benchmark": "trainer_overhead", "seconds_per_step": med, "overhead": overhead})
+    results.save_run(
+        "trainer_overhead", {"seconds_per_step": med, "overhead": overhead, **vars(args)}, root=args.results
+    )
 
 
 if __name__ == "__main__":

@@ -161,7 +161,7 @@ def _gpu_check(args: argparse.Namespace) -> int:
     from labkit.parallel import launch
 
     if args.plan:
-        for step in gpucheck.plan(max(launch.visible_gpus(), 1), args.output.with_suffix(".benchmarks.jsonl")):
+        for step in gpucheck.plan(max(launch.visible_gpus(), 1), args.output.parent):
             print(f"{step.name} ({step.timeout_s} s max, {step.gpus} GPU(s)): {' '.join(step.command)}")
         return 0
     report = gpucheck.gpu_check(args.output, run_labs=not args.no_labs)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,7 @@ def execute(
         kernel_env = {**os.environ, profiles.ENV_VAR: profile, "IPYTHONDIR": ipython_dir}
         resources = {"metadata": {"path": path.parent}}  # the kernel runs in the notebook's folder
         client = NotebookClient(nb, timeout=timeout, kernel_name="python3", resources=resources)
+        start = time.perf_counter()
         try:
             client.execute(env=kernel_env)
         except CellExecutionError:
@@ -135,6 +137,7 @@ def execute(
             print(f"{path.name} failed under profile {profile!r}; the partial run is in {partial}, {path} is unchanged")
             raise
     dropped = tidy(nb)
-    nb.metadata["labkit"] = {"executed": env.fingerprint(profile)}
+    seconds = round(time.perf_counter() - start, 1)  # kernel start to last cell: the lab's time for the guide
+    nb.metadata["labkit"] = {"executed": {**env.fingerprint(profile), "seconds": seconds}}
     assets.atomic_write_text(path, nbformat.writes(nb))
     return dropped

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from labkit import profiles
+from labkit import profiles, results
 
 
 @dataclass(frozen=True)
@@ -258,8 +258,9 @@ def _fmt(x: float) -> str:
 def check(
     lab: str, measured: dict[str, float], profile: str | None = None, unmeasured: dict[str, str] | None = None
 ) -> list[Row]:
-    """Print `measured` against the expected ranges of `lab` on `profile`; raise on a quality miss, and on a listed
-    figure that was neither measured nor named in `unmeasured` (figure -> why this machine cannot measure it)."""
+    """Print `measured` against the expected ranges of `lab` on `profile` (in a notebook, also published as JSON for
+    `labkit figures`); raise on a quality miss, and on a listed figure that was neither measured nor named in
+    `unmeasured` (figure -> why this machine cannot measure it)."""
     if lab not in EXPECTED:
         raise ValueError(f"no expected results for lab {lab!r}; known: {', '.join(EXPECTED)}")
     unmeasured = unmeasured or {}
@@ -270,26 +271,27 @@ def check(
     table = EXPECTED[lab].get(name)
     rows = [Row(k, float(v), None if table is None else table.get(k)) for k, v in measured.items()]
     if table is None:
-        print(f"No reference figures recorded for profile {name!r} yet: compare these with the README.")
+        lines = [f"No reference figures recorded for profile {name!r} yet: compare these with the README."]
     else:
-        print(f"Expected results, profile {name!r} (reference: {REFERENCE[name]}):")
+        lines = [f"Expected results, profile {name!r} (reference: {REFERENCE[name]}):"]
     width = max(len(m) for m in [*measured, *(table or {})])
     for r in rows:
         if r.expected is None:
-            print(f"  {r.metric:<{width}}  {_fmt(r.value):>9}")
+            lines.append(f"  {r.metric:<{width}}  {_fmt(r.value):>9}")
             continue
         verdict = "ok" if r.ok else (f"outside: {r.expected.reported}" if r.expected.reported else "OUTSIDE")
-        print(
+        lines.append(
             f"  {r.metric:<{width}}  {_fmt(r.value):>9}  expected {_fmt(r.expected.low)}–{_fmt(r.expected.high)}"
             f"{' (reported only)' if r.expected.reported else ''}  {verdict}"
         )
     missing = []
     for metric in [] if table is None else [m for m in table if m not in measured]:
         if metric in unmeasured:
-            print(f"  {metric:<{width}}  {'—':>9}  not measured on this machine: {unmeasured[metric]}")
+            lines.append(f"  {metric:<{width}}  {'—':>9}  not measured on this machine: {unmeasured[metric]}")
         else:
-            print(f"  {metric:<{width}}  {'—':>9}  MISSING")
+            lines.append(f"  {metric:<{width}}  {'—':>9}  MISSING")
             missing.append(metric)
+    results.publish("\n".join(lines), {"lab": lab, "profile": name, "figures": {r.metric: r.value for r in rows}})
     failed = [r for r in rows if r.ok is False and not r.expected.reported]
     problems = [
         f"{r.metric} = {_fmt(r.value)} not in [{_fmt(r.expected.low)}, {_fmt(r.expected.high)}]" for r in failed

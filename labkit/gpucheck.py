@@ -14,21 +14,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from labkit import assets, bench, env, precision, profiles
+from labkit import assets, bench, env, precision, profiles, results
 from labkit.parallel import launch
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES_TEST = ROOT / "tests" / "test_profiles.py"  # every profile's sizes against the offline data (seconds)
 
-# The course's GPU goals: (target, how to read the measured figure from the benchmarks' records).
+# The course's GPU goals: (target, how to read the measured figure from this check's benchmark runs, each
+# {"benchmark": name, **figures}).
 # Printed beside the measurement, never failed: they are speed figures.
 GOALS: dict[str, tuple[str, Callable[[list[dict[str, Any]]], float | None]]] = {
     "bf16 MFU, GPT-2 small, torch.compile": (
         ">= 0.55",
         lambda records: _best(
-            r.get("mfu")
+            r.get("modes", {}).get("bf16", {}).get("mfu")
             for r in records
-            if r.get("benchmark") == "precision_mfu" and r.get("mode") == "bf16" and r.get("compile")
+            if r.get("benchmark") == "precision_mfu" and r.get("compile")
         ),
     ),
     "2:4 sparse linear speed-up, 8192 x 8192": (
@@ -69,13 +70,14 @@ class Step:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def plan(gpus: int, log: Path, root: Path = ROOT) -> list[Step]:
-    """The GPU steps for a machine with `gpus` CUDA devices: benchmarks first (minutes), then every lab
-    under the gpu profile. A step that needs more GPUs than there are is kept, to be reported skipped."""
+def plan(gpus: int, runs: Path, root: Path = ROOT) -> list[Step]:
+    """The GPU steps for a machine with `gpus` CUDA devices: benchmarks first (minutes), each saving its run under
+    `runs` (`results.save_run`), then every lab under the gpu profile. A step that needs more GPUs than there are
+    is kept, to be reported skipped."""
     py = sys.executable
 
     def benchmark(script: str, *args: str) -> list[str]:
-        return [py, str(root / "benchmarks" / script), "--log", str(log), *args]
+        return [py, str(root / "benchmarks" / script), "--results", str(runs), *args]
 
     steps = [
         Step("precision and MFU, eager", benchmark("precision_mfu.py", "--device", "cuda"), 1200),
@@ -93,8 +95,8 @@ def plan(gpus: int, log: Path, root: Path = ROOT) -> list[Step]:
                 "--standalone",
                 f"--nproc_per_node={max(2, min(gpus, 8))}",
                 str(root / "labs" / "scripts" / "allreduce_bench.py"),
-                "--log",
-                str(log),
+                "--results",
+                str(runs),
             ],
             600,
             gpus=2,
@@ -202,11 +204,16 @@ def gpu_check(output: Path, *, run_labs: bool = True, echo: Callable[[str], None
             "nothing GPU-side was measured"
         )
     else:
-        log = output.with_suffix(".benchmarks.jsonl")
-        log.unlink(missing_ok=True)
-        steps = [s for s in plan(gpus, log) if run_labs or not s.name.startswith("lab ")]
+        runs = output.resolve().parent  # results/: each benchmark's run beside this report, to be committed
+        before = set(runs.glob("*/*.json"))
+        steps = [s for s in plan(gpus, runs) if run_labs or not s.name.startswith("lab ")]
         report["steps"] = [run_step(s, gpus, ROOT / "labs" if s.name.startswith("lab ") else ROOT, echo) for s in steps]
-        report["benchmarks"] = bench.read_results(log) if log.exists() else []
+        report["benchmarks"] = [
+            {"benchmark": record["benchmark"], "file": str(path), **record["figures"]}
+            for name in sorted({p.parent.name for p in set(runs.glob("*/*.json")) - before})
+            for path, record in results.runs(name, runs)
+            if path not in before
+        ]
         report["goals"] = {
             goal: {"target": target, "measured": read(report["benchmarks"])} for goal, (target, read) in GOALS.items()
         }

@@ -8,7 +8,7 @@ import pytest
 from nbclient.exceptions import CellExecutionError
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
-from labkit import execute
+from labkit import execute, results
 
 
 def test_last_frames_keeps_what_a_terminal_shows():
@@ -43,6 +43,7 @@ LAB = [
     "from tqdm.auto import tqdm\nfor _ in tqdm(range(3), desc='steps'):\n    time.sleep(0.01)",
     "import matplotlib\nmatplotlib.use('agg')\nimport matplotlib.pyplot as plt\nplt.plot([1, 2])",
     "6 * 7",
+    "from labkit import expected\nexpected.check('00', {'perplexity': 18.7, 'tokens': 1234});",
 ]
 
 
@@ -58,7 +59,7 @@ def test_a_lab_is_run_top_to_bottom_and_written_back_clean(tmp_path):
     write_lab(path, LAB)
     dropped = execute.execute(path, "smoke", timeout=120)
     nb = nbformat.read(str(path), as_version=4)
-    assert [c.execution_count for c in nb.cells] == [1, 2, 3, 4]
+    assert [c.execution_count for c in nb.cells] == [1, 2, 3, 4, 5]
     assert nb.cells[0].outputs[0].text == "profile smoke\n"  # the profile reached the kernel; the old run is gone
     bar = "".join(o.text for o in nb.cells[1].outputs if o.output_type == "stream")
     assert "100%" in bar and "3/3" in bar and "\r" not in bar  # text, its last frame
@@ -67,6 +68,13 @@ def test_a_lab_is_run_top_to_bottom_and_written_back_clean(tmp_path):
     assert nb.cells[3].outputs[0].data["text/plain"] == "42"
     executed = nb.metadata["labkit"]["executed"]
     assert executed["profile"] == "smoke" and executed["cpu"] and executed["packages"]["torch"]
+    assert 0 < executed["seconds"] < 120
+    # the lab's figures: shown as text, and kept as JSON in the same output for `labkit figures`
+    (shown,) = nb.cells[4].outputs
+    assert "perplexity" in shown.data["text/plain"] and "expected 18.4–19" in shown.data["text/plain"]
+    assert results.notebook_figures(path) == [
+        {"lab": "00", "profile": "smoke", "figures": {"perplexity": 18.7, "tokens": 1234.0}}
+    ]
     # the one thing this lab lacks to pass the committed-notebook check: a first line naming the machine
     assert execute.problems(nb) == [f"the first output does not name the CPU it ran on ({executed['cpu']})"]
 

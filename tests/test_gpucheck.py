@@ -29,7 +29,7 @@ def test_without_cuda_it_runs_the_cpu_checks_and_exits_0(tmp_path, capsys, monke
 
 @pytest.mark.parametrize("gpus, all_reduce_ranks", [(1, 2), (2, 2), (8, 8)])
 def test_the_plan_covers_every_lab_and_gpu_benchmark(tmp_path, gpus, all_reduce_ranks):
-    steps = {s.name: s for s in gpucheck.plan(gpus, tmp_path / "log.jsonl")}
+    steps = {s.name: s for s in gpucheck.plan(gpus, tmp_path)}
     labs = sorted(p.stem for p in (gpucheck.ROOT / "labs").glob("[0-9][0-9]_*.ipynb"))
     assert len(labs) >= 9 and all(steps[f"lab {lab}"].env == {"LABKIT_PROFILE": "gpu"} for lab in labs)
     for name, script in (
@@ -39,7 +39,8 @@ def test_the_plan_covers_every_lab_and_gpu_benchmark(tmp_path, gpus, all_reduce_
         ("LoRA vs full fine-tune memory", "lora_vs_full.py"),
         ("sharded memory and checkpointing", "memory_at_scale.py"),
     ):
-        assert steps[name].command[1].endswith(script) and str(tmp_path / "log.jsonl") in steps[name].command
+        command = steps[name].command
+        assert command[1].endswith(script) and command[command.index("--results") + 1] == str(tmp_path)
     assert "--compile" in steps["precision and MFU, torch.compile"].command
     assert f"--nproc_per_node={all_reduce_ranks}" in steps["all-reduce on NCCL"].command
     assert steps["all-reduce on NCCL"].gpus == 2  # NCCL needs a GPU per rank: skipped on one GPU
@@ -61,14 +62,24 @@ def test_steps_report_failure_timeout_and_missing_gpus(tmp_path):
 
 def test_a_gpu_run_writes_every_step_and_reads_the_goals(tmp_path, monkeypatch, capsys):
     """The GPU path with stand-in steps (no GPU here): outcomes, the benchmarks' records and the goals."""
-    records = [
-        {"benchmark": "precision_mfu", "mode": "bf16", "compile": True, "mfu": 0.52},
-        {"benchmark": "precision_mfu", "mode": "bf16", "compile": False, "mfu": 0.31},
-        {"benchmark": "pruning_speed", "semi_structured": {"8192x8192": {"speedup": 1.4}}},
+    runs = [  # what the benchmarks' results.save_run writes: {"benchmark", "machine", "figures"}
+        ("precision_mfu", {"compile": True, "modes": {"bf16": {"mfu": 0.52}}}),
+        ("precision_mfu", {"compile": False, "modes": {"bf16": {"mfu": 0.61}}}),
+        ("pruning_speed", {"semi_structured": {"8192x8192": {"speedup": 1.4}}}),
     ]
+    old = tmp_path / "pruning_speed" / "20200101-000000-old.json"  # an earlier check's run: not this one's
+    old.parent.mkdir()
+    old.write_text(json.dumps({"benchmark": "pruning_speed", "machine": {}, "figures": {"semi_structured": {}}}))
 
-    def plan(gpus, log):
-        write = f"import json; open({str(log)!r}, 'a').write(''.join(json.dumps(r) + '\\n' for r in {records!r}))"
+    def plan(gpus, folder):
+        assert folder == tmp_path
+        write = (
+            "import json, pathlib\n"
+            f"for i, (name, figures) in enumerate({runs!r}):\n"
+            f"    path = pathlib.Path({str(folder)!r}) / name / f'20990101-00000{{i}}-h.json'\n"
+            "    path.parent.mkdir(exist_ok=True)\n"
+            "    path.write_text(json.dumps({'benchmark': name, 'machine': {}, 'figures': figures}))"
+        )
         return [gpucheck.Step("bench", [PY, "-c", write], 60), gpucheck.Step("lab 99", [PY, "-c", "1/0"], 60)]
 
     monkeypatch.setattr(launch, "visible_gpus", lambda: 1)

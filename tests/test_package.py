@@ -16,6 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "labkit"
 # Layers, lowest first: a module may import its own layer's modules and any below, never above.
 FOUNDATION = {"torchutil", "profiles", "assets", "precision", "plots", "data", "models", "bench", "flops", "env"}
 FOUNDATION |= {"profiler", "monitor"}  # measurement, like bench: the trainer marks its phases and logs through them
+FOUNDATION |= {"results"}  # where measured figures are stored: one JSON per benchmark run, published lab figures
 SHARED = {"evaluate", "checkpoint", "train"}
 TECHNIQUES = {"clean", "tokenizer", "shards", "activations", "parallel", "prune", "quant", "tasks", "lora"}
 TOP = {"checks", "expected", "gpucheck", "student", "execute", "cli", "__main__"}
