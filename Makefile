@@ -13,6 +13,8 @@
 #   make execute             run every lab top to bottom in a fresh kernel and write it back with its outputs and
 #                            the machine it ran on (a lab that fails is left as it was; its partial run: build/execute/)
 #   make execute EXECUTE_ARGS="--profile cpu labs/06_magnitude_pruning.ipynb"   (one lab, a chosen profile)
+#   make figures             render the README's measured table from results/ and the executed labs
+#                            (docs/measured.md is its template: every figure names its source)
 #   make student             write build/student/: the labs with exercise solutions stubbed
 #   make gpu-check           on a GPU machine: every lab under the gpu profile and the GPU benchmarks,
 #                            one JSON naming the device (results/gpu-check.json); no CUDA: CPU checks only
@@ -45,7 +47,7 @@ STAMP      := $(VENV)/.labkit-installed-$(SETUP_HASH)
 # this clone's labkit, also where the venv's editable install points at another clone (VENV=)
 RUN        := PATH="$(abspath $(VENV))/bin:$$PATH" PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}"
 
-.PHONY: lab lab-solutions test lint gpu-check execute student setup prepare doctor clean tensorboard
+.PHONY: lab lab-solutions test lint gpu-check execute figures student setup prepare doctor clean tensorboard
 
 # Both open working copies under build/, never the tracked notebooks: running a lab modifies no tracked
 # file, and a copy a student has changed is never overwritten (an unchanged one follows the course).
@@ -87,6 +89,9 @@ gpu-check: prepare
 execute: prepare
 	$(RUN) HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 GPTQMODEL_OFFLINE=$(GPTQMODEL_OFFLINE) \
 	  $(PY) -m labkit execute $(EXECUTE_ARGS)
+
+figures: setup
+	$(RUN) $(PY) -m labkit figures
 
 tensorboard: setup
 	$(RUN) $(PY) -m labkit tensorboard $(TB_ARGS)

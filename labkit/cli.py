@@ -1,4 +1,5 @@
-"""Command line: `labkit doctor | prepare | shards | profile | lab | tensorboard | slurm | gpu-check | student`."""
+"""Command line: `labkit doctor | prepare | shards | profile | lab | tensorboard | slurm | gpu-check | execute |
+figures | student`."""
 
 from __future__ import annotations
 
@@ -194,6 +195,20 @@ def _execute(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _figures(args: argparse.Namespace) -> int:
+    from labkit import figures
+
+    typed = figures.typed_rows((figures.ROOT / figures.TEMPLATE).read_text(encoding="utf-8"))
+    note = f" ({len(typed)} rows of {figures.TEMPLATE} still typed by hand)" if typed else ""
+    if args.check:
+        same = figures.rendered_readme() == (figures.ROOT / "README.md").read_text(encoding="utf-8")
+        print(f"README.md {'matches' if same else 'DIFFERS FROM'} what {figures.TEMPLATE} renders{note}")
+        return 0 if same else 1
+    changed = figures.update()
+    print(f"README.md {'rendered anew' if changed else 'already up to date'} from {figures.TEMPLATE}{note}")
+    return 0
+
+
 def _student(args: argparse.Namespace) -> int:
     from labkit.student import build_student
 
@@ -286,6 +301,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", choices=("smoke", "cpu", "gpu"), help="default: $LABKIT_PROFILE, else auto-detected")
     p.add_argument("--timeout", type=int, default=7200, help="seconds per cell (default: %(default)s)")
     p.set_defaults(func=_execute)
+    p = sub.add_parser(
+        "figures",
+        help="render the README's measured table from results/ and the executed labs (docs/measured.md: the template)",
+    )
+    p.add_argument("--check", action="store_true", help="only compare; exit 1 when the README differs")
+    p.set_defaults(func=_figures)
     p = sub.add_parser("student", help="write the student notebooks: solutions replaced by stubs, outputs cleared")
     p.add_argument("--labs", default=str(LABS_DIR), help="the solution notebooks (default: the course's labs/)")
     p.add_argument("--output", "-o", default="build/student", help="where to write them (default: build/student)")

@@ -117,6 +117,11 @@ def publish(text: str, payload: dict[str, Any]) -> None:
     display({"text/plain": text, MIME: _plain(payload)}, raw=True)
 
 
+def notebook_metadata(path: str | Path) -> dict[str, Any]:
+    """What `labkit execute` recorded in a saved notebook (`executed`: the machine, profile and run time), or {}."""
+    return json.loads(Path(path).read_text(encoding="utf-8")).get("metadata", {}).get("labkit", {})
+
+
 def notebook_figures(path: str | Path) -> list[dict[str, Any]]:
     """Every payload a saved notebook published (`publish`), in cell order."""
     nb = json.loads(Path(path).read_text(encoding="utf-8"))

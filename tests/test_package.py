@@ -19,7 +19,7 @@ FOUNDATION |= {"profiler", "monitor"}  # measurement, like bench: the trainer ma
 FOUNDATION |= {"results"}  # where measured figures are stored: one JSON per benchmark run, published lab figures
 SHARED = {"evaluate", "checkpoint", "train"}
 TECHNIQUES = {"clean", "tokenizer", "shards", "activations", "parallel", "prune", "quant", "tasks", "lora"}
-TOP = {"checks", "expected", "gpucheck", "student", "execute", "cli", "__main__"}
+TOP = {"checks", "expected", "gpucheck", "student", "execute", "figures", "cli", "__main__"}
 # Technique modules import each other only where one is built on the other.
 BUILT_ON = {
     ("shards", "tokenizer"): "lab 01's shards are tagged with the tokenizer that made them",

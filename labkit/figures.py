@@ -1,0 +1,227 @@
+"""`labkit figures` / `make figures`: the README's measured table rendered from where its figures were measured.
+
+The table's template (`docs/measured.md`) is Markdown with placeholders, each naming a source and a figure:
+
+    {{lab04: tokens/s, 2 ranks | ,.0f}}             a figure lab 04's `expected.check` published (results.publish)
+    {{bench/perplexity: perplexity | .2f}}          a figure of the newest run in results/perplexity/ (save_run)
+    {{bench/pruning_calibrated: runs[method=wanda,sparsity=50%].ppl | ~3}}   a path into that run's JSON
+
+    {{bench/quant_landscape: nf4_parity.labkit_s ÷ nf4_parity.bitsandbytes_s | .2f}}   a ratio (also: a − b)
+
+After `|` comes a Python format spec, or `~N` for N significant digits (thousands separated). `{{sources}}` in a
+row becomes a link to each source the row used, with the machine, profile and date it ran on. The rendered table
+replaces the README's lines between BEGIN and END; a test fails when the README differs from the rendering.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from labkit import assets, results
+
+ROOT = Path(__file__).resolve().parent.parent
+TEMPLATE = Path("docs/measured.md")
+BEGIN = "<!-- measured: begin (rendered by `make figures` from docs/measured.md; edit there) -->"
+END = "<!-- measured: end -->"
+PLACEHOLDER = re.compile(r"\{\{(.*?)\}\}")
+_STEP = re.compile(r"\[([^\]]*)\]|([^.\[\]]+)")
+
+
+class FigureError(ValueError):
+    """A placeholder that names no source or no figure, or a figure that cannot be formatted."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a row's figures came from: the file to link and the machine it ran on."""
+
+    label: str
+    link: str
+    machine: str
+
+
+def significant(value: float, digits: int) -> str:
+    """`value` rounded to `digits` significant digits, thousands separated: 10612 -> '10,600', 46.31 -> '46.3'."""
+    if value == 0 or not math.isfinite(value):
+        return f"{value:g}"
+    decimals = digits - 1 - math.floor(math.log10(abs(value)))
+    rounded = round(value, decimals)
+    if decimals > 0 and math.floor(math.log10(abs(rounded))) - math.floor(math.log10(abs(value))) == 1:
+        decimals -= 1  # 9.996 -> 10.0 at 3 digits: one decimal fewer
+    return f"{rounded:,.{max(decimals, 0)}f}"
+
+
+def fmt(value: Any, spec: str) -> str:
+    """A figure as text: a Python format spec, or '~N' for N significant digits."""
+    value = results.number(value)
+    if not spec:
+        return str(value)
+    if spec.startswith("~"):
+        if not spec[1:].isdigit() or int(spec[1:]) < 1:
+            raise FigureError(f"'~' takes a number of significant digits, got {spec!r}")
+        return significant(float(value), int(spec[1:]))
+    try:
+        return format(value, spec)
+    except (ValueError, TypeError) as err:
+        raise FigureError(f"cannot format {value!r} with {spec!r}: {err}") from None
+
+
+def _select(items: list[Any], selector: str) -> Any:
+    """The one dict in `items` whose fields equal every `key=value` of the selector (compared as text)."""
+    wanted = dict(part.split("=", 1) for part in selector.split(",") if "=" in part)
+    if not wanted or len(wanted) != len(selector.split(",")):
+        raise FigureError(f"[{selector}]: a selector is key=value[,key=value...]")
+    found = [x for x in items if isinstance(x, dict) and all(str(x.get(k)) == v for k, v in wanted.items())]
+    if len(found) != 1:
+        raise FigureError(f"[{selector}] matches {len(found)} of {len(items)} entries, not one")
+    return found[0]
+
+
+def lookup(data: Any, path: str) -> Any:
+    """Follow a path of keys, list indices and [key=value] selectors through nested JSON."""
+    for match in _STEP.finditer(path.strip()):
+        selector, key = match.groups()
+        if selector is not None:
+            if not isinstance(data, list):
+                raise FigureError(f"[{selector}] applied to {type(data).__name__}, not a list")
+            data = _select(data, selector)
+        elif isinstance(data, list) and key.isdigit() and int(key) < len(data):
+            data = data[int(key)]
+        elif isinstance(data, dict) and key in data:
+            data = data[key]
+        else:
+            keys = ", ".join(map(str, data)) if isinstance(data, dict) else type(data).__name__
+            raise FigureError(f"no {key!r} (there: {keys})")
+    return data
+
+
+def _operand(figures: dict[str, Any], text: str, by_name: bool) -> Any:
+    text = text.strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    if not by_name:
+        return lookup(figures, text)
+    if text not in figures:
+        raise FigureError(f"no figure {text!r}; there are: {', '.join(figures)}")
+    return figures[text]
+
+
+def evaluate(figures: dict[str, Any], expression: str, *, by_name: bool) -> Any:
+    """One figure (a lab's by its name, a benchmark's by its path), or a ratio 'a ÷ b' or difference 'a − b' of
+    two figures or numbers."""
+    for op in ("÷", "−"):
+        if f" {op} " in expression:
+            left, right = (results.number(_operand(figures, t, by_name)) for t in expression.split(f" {op} ", 1))
+            try:
+                return left / right if op == "÷" else left - right
+            except (TypeError, ZeroDivisionError) as err:
+                raise FigureError(f"{expression.strip()}: {err}") from None
+    return _operand(figures, expression, by_name)
+
+
+class Sources:
+    """The figures of every lab and benchmark a template names, read once each from the repository at `root`."""
+
+    def __init__(self, root: Path = ROOT) -> None:
+        self.root = root
+        self._cache: dict[str, tuple[dict[str, Any], Source]] = {}
+
+    def _machine(self, fp: dict[str, Any]) -> str:
+        where = ", ".join(fp.get("gpus") or []) or fp.get("cpu", "unknown machine")
+        return f"`{fp.get('profile', '?')}`, {where}, {str(fp.get('date', '?'))[:10]}"
+
+    def _load(self, name: str) -> tuple[dict[str, Any], Source]:
+        if name.startswith("lab") and name[3:].isdigit():
+            found = sorted((self.root / "labs").glob(f"{name[3:]}_*.ipynb"))
+            if len(found) != 1:
+                raise FigureError(f"{name}: no notebook labs/{name[3:]}_*.ipynb")
+            nb = found[0]
+            executed = results.notebook_metadata(nb).get("executed")
+            if not executed:
+                raise FigureError(f"{name}: {nb.name} was not written by `make execute` (no machine recorded)")
+            figures: dict[str, Any] = {}
+            for payload in results.notebook_figures(nb):
+                figures.update(payload.get("figures", {}))
+            link = nb.relative_to(self.root).as_posix()
+            return figures, Source(f"lab {name[3:]}", link, self._machine(executed))
+        if name.startswith("bench/"):
+            path, record = results.latest(name[6:], self.root / results.RESULTS)
+            link = path.relative_to(self.root).as_posix()
+            return record["figures"], Source(f"benchmarks/{name[6:]}.py", link, self._machine(record["machine"]))
+        raise FigureError(f"unknown source {name!r}: labNN or bench/<benchmark>")
+
+    def get(self, name: str) -> tuple[dict[str, Any], Source]:
+        if name not in self._cache:
+            self._cache[name] = self._load(name)
+        return self._cache[name]
+
+
+def render_line(line: str, sources: Sources) -> str:
+    """One template line with its figures filled in and `{{sources}}` linked."""
+    used: list[Source] = []
+
+    def fill(match: re.Match[str]) -> str:
+        body = match.group(1)
+        if body.strip() == "sources":
+            return match.group(0)  # after the figures, once the row's sources are known
+        name, sep, rest = body.partition(":")
+        if not sep:
+            raise FigureError(f"{{{{{body}}}}}: write {{{{source: figure | format}}}}")
+        figure, _, spec = rest.rpartition("|") if "|" in rest else (rest, "", "")
+        figures, source = sources.get(name.strip())
+        if source not in used:
+            used.append(source)
+        try:
+            value = evaluate(figures, figure, by_name=name.strip().startswith("lab"))
+        except FigureError as err:
+            raise FigureError(f"{{{{{body}}}}}: {err}") from None
+        return fmt(value, spec.strip())
+
+    text = PLACEHOLDER.sub(fill, line)
+    links = "; ".join(f"[{s.label}]({s.link}) ({s.machine})" for s in used)
+    return text.replace("{{sources}}", links)
+
+
+def render(template: str, sources: Sources) -> str:
+    """The whole template rendered, line by line; an error names the line."""
+    out = []
+    for number, line in enumerate(template.splitlines(), 1):
+        try:
+            out.append(render_line(line, sources))
+        except FigureError as err:
+            raise FigureError(f"{TEMPLATE}, line {number}: {err}") from None
+    return "\n".join(out) + "\n"
+
+
+def typed_rows(template: str) -> list[str]:
+    """Table rows (after the header) with no placeholder at all: figures still typed by hand."""
+    lines = template.splitlines()
+    body = lines[next((i + 1 for i, line in enumerate(lines) if line.startswith("|---")), 0) :]
+    return [row for row in body if row.startswith("|") and not PLACEHOLDER.search(row)]
+
+
+def rendered_readme(root: Path = ROOT) -> str:
+    """README.md as it should be: the lines between BEGIN and END replaced by the rendered template."""
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    if readme.count(BEGIN) != 1 or readme.count(END) != 1 or readme.index(BEGIN) > readme.index(END):
+        raise FigureError(f"README.md needs exactly one {BEGIN!r} followed by one {END!r}")
+    head, rest = readme.split(BEGIN)
+    _, tail = rest.split(END)
+    table = render((root / TEMPLATE).read_text(encoding="utf-8"), Sources(root))
+    return f"{head}{BEGIN}\n{table}{END}{tail}"
+
+
+def update(root: Path = ROOT) -> bool:
+    """Write the rendered README (atomically) if it differs; True when it changed."""
+    new = rendered_readme(root)
+    path = root / "README.md"
+    if path.read_text(encoding="utf-8") == new:
+        return False
+    assets.atomic_write_text(path, new)
+    return True

@@ -1,0 +1,145 @@
+"""labkit.figures: the README's measured table rendered from the saved runs and the executed labs — every figure
+read from its source, formatted as asked, linked with the machine it ran on — and the README as committed is
+exactly what it renders."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from nbformat.v4 import new_code_cell, new_notebook, new_output
+
+from labkit import figures, results
+
+
+@pytest.mark.parametrize(
+    "value, digits, text",
+    [(10612, 3, "10,600"), (46.31, 3, "46.3"), (577.2, 3, "577"), (2358.05, 3, "2,360"), (9.996, 3, "10.0"),
+     (0.0012345, 2, "0.0012"), (-17.889, 4, "-17.89"), (0, 3, "0")],
+)  # fmt: skip
+def test_significant_digits_by_hand(value, digits, text):
+    assert figures.significant(value, digits) == text
+
+
+def test_fmt_takes_a_python_spec_or_significant_digits():
+    assert figures.fmt(0.0022303, ".2%") == "0.22%"
+    assert figures.fmt(1658880, ",") == "1,658,880"
+    assert figures.fmt("inf", ".1f") == "inf"  # stored as text, formatted as the float it was
+    assert figures.fmt("4-bit g64", "") == "4-bit g64"
+    with pytest.raises(figures.FigureError, match="significant digits"):
+        figures.fmt(1.0, "~x")
+    with pytest.raises(figures.FigureError, match="cannot format 'text'"):
+        figures.fmt("text", ".2f")
+
+
+RUN = {
+    "documents": 64,
+    "runs": [
+        {"method": "dense", "sparsity": 0.0, "ppl": 17.889},
+        {"method": "wanda", "sparsity": "50%", "ppl": 46.3158},
+        {"method": "wanda", "sparsity": "2:4", "ppl": 188.31},
+    ],
+    "parity": {"ours_s": 1.7358, "theirs_s": 1.5397},
+}
+
+
+def test_lookup_follows_keys_indices_and_selectors():
+    assert figures.lookup(RUN, "documents") == 64
+    assert figures.lookup(RUN, "runs.1.ppl") == 46.3158
+    assert figures.lookup(RUN, "runs[method=wanda,sparsity=2:4].ppl") == 188.31
+    assert figures.lookup(RUN, "runs[sparsity=0.0].method") == "dense"
+    with pytest.raises(figures.FigureError, match=r"matches 2 of 3 entries, not one"):
+        figures.lookup(RUN, "runs[method=wanda].ppl")
+    with pytest.raises(figures.FigureError, match=r"no 'ppx' \(there: method, sparsity, ppl\)"):
+        figures.lookup(RUN, "runs.0.ppx")
+    with pytest.raises(figures.FigureError, match="key=value"):
+        figures.lookup(RUN, "runs[wanda].ppl")
+
+
+def test_ratios_and_differences_of_two_figures():
+    ratio = figures.evaluate(RUN, "parity.ours_s ÷ parity.theirs_s", by_name=False)
+    assert ratio == pytest.approx(1.7358 / 1.5397)
+    assert figures.evaluate(RUN, "documents − 4", by_name=False) == 60
+    lab = {"tokens/s, 1 rank": 450.0, "tokens/s, 2 ranks": 829.0}  # a lab's names keep their '/' and ','
+    assert figures.evaluate(lab, "tokens/s, 2 ranks ÷ tokens/s, 1 rank", by_name=True) == pytest.approx(829 / 450)
+    with pytest.raises(figures.FigureError, match="division by zero"):
+        figures.evaluate(RUN, "documents ÷ 0", by_name=False)
+
+
+def make_repo(tmp_path, *, executed=True):
+    """A repository with one executed lab that published figures, one benchmark run and a README with markers."""
+    (tmp_path / "labs").mkdir()
+    cell = new_code_cell("expected.check(...)", execution_count=1)
+    payload = {"lab": "04", "profile": "cpu", "figures": {"tokens/s, 1 rank": 450.2, "tokens/s, 2 ranks": 829.0}}
+    cell.outputs = [new_output("display_data", data={"text/plain": "table", results.MIME: payload})]
+    nb = new_notebook(cells=[cell])
+    if executed:
+        nb.metadata["labkit"] = {
+            "executed": {"profile": "cpu", "cpu": "Test CPU", "gpus": [], "date": "2026-11-25 10:00 UTC"}
+        }
+    (tmp_path / "labs" / "04_data.ipynb").write_text(json.dumps(nb))
+    run = tmp_path / "results" / "pruning" / "20261124-092151-vm.json"
+    run.parent.mkdir(parents=True)
+    machine = {"profile": "cpu", "cpu": "Other CPU", "gpus": ["NVIDIA H100 80GB HBM3"], "date": "2026-11-24 09:21 UTC"}
+    run.write_text(json.dumps({"benchmark": "pruning", "machine": machine, "figures": RUN}))
+    (tmp_path / "docs").mkdir()
+    template = (
+        "| what | figure | where |\n|---|---|---|\n"
+        "| DDP | {{lab04: tokens/s, 1 rank | ,.0f}} vs {{lab04: tokens/s, 2 ranks | ,.0f}} tokens/s, "
+        "{{lab04: tokens/s, 2 ranks ÷ tokens/s, 1 rank | .2f}}× | {{sources}} |\n"
+        "| Wanda | {{bench/pruning: runs[method=wanda,sparsity=50%].ppl | ~3}} vs {{lab04: tokens/s, 1 rank | .0f}} "
+        "| {{sources}} |\n"
+        "| typed | 3.14 | by hand |\n"
+    )
+    (tmp_path / "docs" / "measured.md").write_text(template)
+    (tmp_path / "README.md").write_text(f"# course\n\n{figures.BEGIN}\nold table\n{figures.END}\n\nmore prose\n")
+    return tmp_path
+
+
+def test_a_template_renders_each_figure_from_its_source_with_links(tmp_path):
+    root = make_repo(tmp_path)
+    assert figures.update(root) is True
+    readme = (root / "README.md").read_text()
+    lab = "[lab 04](labs/04_data.ipynb) (`cpu`, Test CPU, 2026-11-25)"
+    bench = (
+        "[benchmarks/pruning.py](results/pruning/20261124-092151-vm.json) (`cpu`, NVIDIA H100 80GB HBM3, 2026-11-24)"
+    )
+    assert readme == (
+        f"# course\n\n{figures.BEGIN}\n| what | figure | where |\n|---|---|---|\n"
+        f"| DDP | 450 vs 829 tokens/s, 1.84× | {lab} |\n"
+        f"| Wanda | 46.3 vs 450 | {bench}; {lab} |\n"
+        f"| typed | 3.14 | by hand |\n{figures.END}\n\nmore prose\n"
+    )
+    assert figures.update(root) is False  # rendering again changes nothing
+    assert figures.typed_rows((root / "docs" / "measured.md").read_text()) == ["| typed | 3.14 | by hand |"]
+
+
+def test_errors_name_the_line_and_what_is_missing(tmp_path):
+    root = make_repo(tmp_path)
+    template = root / "docs" / "measured.md"
+    template.write_text("| a | {{lab04: tokens/s, 3 ranks}} |\n")
+    with pytest.raises(figures.FigureError, match=r"measured.md, line 1: .*no figure 'tokens/s, 3 ranks'; there are"):
+        figures.rendered_readme(root)
+    template.write_text("\n| a | {{lab07: perplexity}} |\n")
+    with pytest.raises(figures.FigureError, match=r"line 2: lab07: no notebook labs/07_\*.ipynb"):
+        figures.rendered_readme(root)
+    template.write_text("| a | {{bench/missing: x}} |\n")
+    with pytest.raises(FileNotFoundError, match="run benchmarks/missing.py"):
+        figures.rendered_readme(root)
+    template.write_text("| a | {{perplexity}} |\n")
+    with pytest.raises(figures.FigureError, match=r"write \{\{source: figure \| format\}\}"):
+        figures.rendered_readme(root)
+    (root / "README.md").write_text("# no markers\n")
+    with pytest.raises(figures.FigureError, match="needs exactly one"):
+        figures.rendered_readme(root)
+
+
+def test_a_lab_not_written_by_make_execute_is_no_source(tmp_path):
+    root = make_repo(tmp_path, executed=False)
+    with pytest.raises(figures.FigureError, match="04_data.ipynb was not written by `make execute`"):
+        figures.rendered_readme(root)
+
+
+def test_the_committed_readme_is_what_make_figures_renders():
+    readme = (figures.ROOT / "README.md").read_text(encoding="utf-8")
+    assert figures.rendered_readme() == readme, "README.md differs from docs/measured.md's rendering: run make figures"
