@@ -198,15 +198,13 @@ def _execute(args: argparse.Namespace) -> int:
 def _figures(args: argparse.Namespace) -> int:
     from labkit import figures
 
-    typed = figures.typed_rows((figures.ROOT / figures.TEMPLATE).read_text(encoding="utf-8"))
-    note = f" ({len(typed)} rows of {figures.TEMPLATE} still typed by hand)" if typed else ""
-    if args.check:
-        same = figures.rendered_readme() == (figures.ROOT / "README.md").read_text(encoding="utf-8")
-        print(f"README.md {'matches' if same else 'DIFFERS FROM'} what {figures.TEMPLATE} renders{note}")
-        return 0 if same else 1
-    changed = figures.update()
-    print(f"README.md {'rendered anew' if changed else 'already up to date'} from {figures.TEMPLATE}{note}")
-    return 0
+    stale = figures.stale() if args.check else figures.update()
+    for target, template in figures.TARGETS.items():
+        typed = figures.typed_rows((figures.ROOT / template).read_text(encoding="utf-8"))
+        state = ("DIFFERS FROM" if args.check else "rendered anew from") if target in stale else "matches"
+        note = f" ({len(typed)} rows still typed by hand)" if typed else ""
+        print(f"{target} {state} {template}{note}")
+    return 1 if args.check and stale else 0
 
 
 def _student(args: argparse.Namespace) -> int:
@@ -303,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_execute)
     p = sub.add_parser(
         "figures",
-        help="render the README's measured table from results/ and the executed labs (docs/measured.md: the template)",
+        help="render the README's measured table and the instructor guide's times from results/, the executed labs "
+        "and tests/durations.txt (templates: docs/measured.md, docs/times.md)",
     )
     p.add_argument("--check", action="store_true", help="only compare; exit 1 when the README differs")
     p.set_defaults(func=_figures)

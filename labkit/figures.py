@@ -5,12 +5,14 @@ The table's template (`docs/measured.md`) is Markdown with placeholders, each na
     {{lab04: tokens/s, 2 ranks | ,.0f}}             a figure lab 04's `expected.check` published (results.publish)
     {{bench/perplexity: perplexity | .2f}}          a figure of the newest run in results/perplexity/ (save_run)
     {{bench/pruning_calibrated: runs[method=wanda,sparsity=50%].ppl | ~3}}   a path into that run's JSON
-
     {{bench/quant_landscape: nf4_parity.labkit_s ÷ nf4_parity.bitsandbytes_s | .2f}}   a ratio (also: a − b)
+    {{bench/tokenizer[vocab_size=16384]: train MB/s.0 | .2f}}   the newest run whose figures match
+    {{bench/make_test: ci_seconds | min}}          a fresh clone's `.ci/run` (tests/durations.py saves it)
 
-After `|` comes a Python format spec, or `~N` for N significant digits (thousands separated). `{{sources}}` in a
-row becomes a link to each source the row used, with the machine, profile and date it ran on. The rendered table
-replaces the README's lines between BEGIN and END; a test fails when the README differs from the rendering.
+After `|` comes a Python format spec, `~N` for N significant digits (thousands separated), or `min` (M min S s).
+`{{sources}}` in a row becomes a link to each source the row used, with the machine, profile and date it ran on.
+`docs/times.md` renders the instructor guide's time per lab the same way (`TARGETS`). Each rendering replaces the
+lines between its file's markers; a test fails when a committed file differs from its rendering.
 """
 
 from __future__ import annotations
@@ -24,9 +26,18 @@ from typing import Any
 from labkit import assets, results
 
 ROOT = Path(__file__).resolve().parent.parent
-TEMPLATE = Path("docs/measured.md")
-BEGIN = "<!-- measured: begin (rendered by `make figures` from docs/measured.md; edit there) -->"
-END = "<!-- measured: end -->"
+TARGETS = {  # file -> its template; the rendering replaces the lines between the file's markers
+    Path("README.md"): Path("docs/measured.md"),
+    Path("docs/instructor.md"): Path("docs/times.md"),
+}
+END = "<!-- figures: end -->"
+
+
+def begin(template: Path) -> str:
+    """The line after which a rendered template starts."""
+    return f"<!-- figures: begin (rendered by `make figures` from {template.as_posix()}; edit there) -->"
+
+
 PLACEHOLDER = re.compile(r"\{\{(.*?)\}\}")
 _STEP = re.compile(r"\[([^\]]*)\]|([^.\[\]]+)")
 
@@ -56,10 +67,15 @@ def significant(value: float, digits: int) -> str:
 
 
 def fmt(value: Any, spec: str) -> str:
-    """A figure as text: a Python format spec, or '~N' for N significant digits."""
+    """A figure as text: a Python format spec, '~N' for N significant digits, or 'min' for seconds as 'M min S s'."""
     value = results.number(value)
+    if spec in ("", ",") and isinstance(value, float) and value.is_integer():
+        value = int(value)  # a count that passed through a float (expected.check publishes floats)
     if not spec:
         return str(value)
+    if spec == "min":
+        minutes, seconds = divmod(round(float(value)), 60)
+        return f"{minutes} min {seconds} s"
     if spec.startswith("~"):
         if not spec[1:].isdigit() or int(spec[1:]) < 1:
             raise FigureError(f"'~' takes a number of significant digits, got {spec!r}")
@@ -82,14 +98,18 @@ def _select(items: list[Any], selector: str) -> Any:
 
 
 def lookup(data: Any, path: str) -> Any:
-    """Follow a path of keys, list indices and [key=value] selectors through nested JSON."""
+    """Follow a path through nested JSON: keys (`a.b`, or `a[b.c]` for a key with dots), list indices, and
+    [key=value] selectors of the one matching dict in a list."""
     for match in _STEP.finditer(path.strip()):
         selector, key = match.groups()
-        if selector is not None:
+        if selector is not None and isinstance(data, dict):  # [a key with dots or brackets]
+            key = selector
+        elif selector is not None:
             if not isinstance(data, list):
-                raise FigureError(f"[{selector}] applied to {type(data).__name__}, not a list")
+                raise FigureError(f"[{selector}] applied to {type(data).__name__}, not a list or dict")
             data = _select(data, selector)
-        elif isinstance(data, list) and key.isdigit() and int(key) < len(data):
+            continue
+        if isinstance(data, list) and key.isdigit() and int(key) < len(data):
             data = data[int(key)]
         elif isinstance(data, dict) and key in data:
             data = data[key]
@@ -106,10 +126,14 @@ def _operand(figures: dict[str, Any], text: str, by_name: bool) -> Any:
     except ValueError:
         pass
     if not by_name:
-        return lookup(figures, text)
-    if text not in figures:
+        value = lookup(figures, text)
+    elif text not in figures:
         raise FigureError(f"no figure {text!r}; there are: {', '.join(figures)}")
-    return figures[text]
+    else:
+        value = figures[text]
+    if value is None:
+        raise FigureError(f"{text!r} was not measured in this run (stored as null)")
+    return value
 
 
 def evaluate(figures: dict[str, Any], expression: str, *, by_name: bool) -> Any:
@@ -123,6 +147,14 @@ def evaluate(figures: dict[str, Any], expression: str, *, by_name: bool) -> Any:
             except (TypeError, ZeroDivisionError) as err:
                 raise FigureError(f"{expression.strip()}: {err}") from None
     return _operand(figures, expression, by_name)
+
+
+def _newest_matching(found: list[tuple[Path, dict[str, Any]]], selector: str, name: str) -> tuple[Path, dict[str, Any]]:
+    wanted = dict(part.split("=", 1) for part in selector.split(",") if "=" in part)
+    hits = [(p, r) for p, r in found if all(str(r["figures"].get(k)) == v for k, v in wanted.items())]
+    if not wanted or not hits:
+        raise FigureError(f"{name}: no saved run whose figures match [{selector}]")
+    return hits[-1]
 
 
 class Sources:
@@ -145,15 +177,18 @@ class Sources:
             executed = results.notebook_metadata(nb).get("executed")
             if not executed:
                 raise FigureError(f"{name}: {nb.name} was not written by `make execute` (no machine recorded)")
-            figures: dict[str, Any] = {}
+            figures: dict[str, Any] = {"executed seconds": executed.get("seconds")}  # `make execute`'s whole run
             for payload in results.notebook_figures(nb):
                 figures.update(payload.get("figures", {}))
             link = nb.relative_to(self.root).as_posix()
             return figures, Source(f"lab {name[3:]}", link, self._machine(executed))
-        if name.startswith("bench/"):
-            path, record = results.latest(name[6:], self.root / results.RESULTS)
+        if match := re.fullmatch(r"bench/(\w+)(?:\[(.*)\])?", name):
+            benchmark, selector = match.groups()
+            path, record = results.latest(benchmark, self.root / results.RESULTS)
+            if selector:  # the newest run made with these settings
+                path, record = _newest_matching(results.runs(benchmark, self.root / results.RESULTS), selector, name)
             link = path.relative_to(self.root).as_posix()
-            return record["figures"], Source(f"benchmarks/{name[6:]}.py", link, self._machine(record["machine"]))
+            return record["figures"], Source(f"benchmarks/{benchmark}.py", link, self._machine(record["machine"]))
         raise FigureError(f"unknown source {name!r}: labNN or bench/<benchmark>")
 
     def get(self, name: str) -> tuple[dict[str, Any], Source]:
@@ -188,14 +223,14 @@ def render_line(line: str, sources: Sources) -> str:
     return text.replace("{{sources}}", links)
 
 
-def render(template: str, sources: Sources) -> str:
+def render(template: str, sources: Sources, name: str = "template") -> str:
     """The whole template rendered, line by line; an error names the line."""
     out = []
     for number, line in enumerate(template.splitlines(), 1):
         try:
             out.append(render_line(line, sources))
         except FigureError as err:
-            raise FigureError(f"{TEMPLATE}, line {number}: {err}") from None
+            raise FigureError(f"{name}, line {number}: {err}") from None
     return "\n".join(out) + "\n"
 
 
@@ -206,22 +241,32 @@ def typed_rows(template: str) -> list[str]:
     return [row for row in body if row.startswith("|") and not PLACEHOLDER.search(row)]
 
 
-def rendered_readme(root: Path = ROOT) -> str:
-    """README.md as it should be: the lines between BEGIN and END replaced by the rendered template."""
-    readme = (root / "README.md").read_text(encoding="utf-8")
-    if readme.count(BEGIN) != 1 or readme.count(END) != 1 or readme.index(BEGIN) > readme.index(END):
-        raise FigureError(f"README.md needs exactly one {BEGIN!r} followed by one {END!r}")
-    head, rest = readme.split(BEGIN)
+def rendered(target: Path, root: Path = ROOT, sources: Sources | None = None) -> str:
+    """`target` as it should be: the lines between its markers replaced by its rendered template."""
+    template = TARGETS[target]
+    text = (root / target).read_text(encoding="utf-8")
+    start = begin(template)
+    if text.count(start) != 1 or text.count(END) != 1 or text.index(start) > text.index(END):
+        raise FigureError(f"{target} needs exactly one {start!r} followed by one {END!r}")
+    head, rest = text.split(start)
     _, tail = rest.split(END)
-    table = render((root / TEMPLATE).read_text(encoding="utf-8"), Sources(root))
-    return f"{head}{BEGIN}\n{table}{END}{tail}"
+    table = render((root / template).read_text(encoding="utf-8"), sources or Sources(root), template.as_posix())
+    return f"{head}{start}\n{table}{END}{tail}"
 
 
-def update(root: Path = ROOT) -> bool:
-    """Write the rendered README (atomically) if it differs; True when it changed."""
-    new = rendered_readme(root)
-    path = root / "README.md"
-    if path.read_text(encoding="utf-8") == new:
-        return False
-    assets.atomic_write_text(path, new)
-    return True
+def stale(root: Path = ROOT) -> list[Path]:
+    """The targets whose committed text differs from their rendering."""
+    sources = Sources(root)
+    return [t for t in TARGETS if rendered(t, root, sources) != (root / t).read_text(encoding="utf-8")]
+
+
+def update(root: Path = ROOT) -> list[Path]:
+    """Write each target that differs from its rendering (atomically); returns those written."""
+    sources = Sources(root)
+    written = []
+    for target in TARGETS:
+        new = rendered(target, root, sources)
+        if (root / target).read_text(encoding="utf-8") != new:
+            assets.atomic_write_text(root / target, new)
+            written.append(target)
+    return written

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -21,6 +22,7 @@ from pathlib import Path
 import pytest
 
 ENV_VAR = "LABKIT_DURATIONS"
+CI_STARTED = "LABKIT_CI_STARTED"  # .ci/run's start (Unix seconds), so the report can say what the whole run took
 _seconds: dict[str, float] = defaultdict(float)
 _started = time.monotonic()
 
@@ -57,8 +59,19 @@ def _cpu() -> str:
         return platform.processor() or platform.machine()
 
 
-def format_report(seconds: dict[str, float], wall: float, workers: int, exit_status: int) -> str:
-    """Per-file totals, then every test, slowest first (seconds summed over setup, call and teardown)."""
+def _commit() -> str:
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return done.stdout.strip() or "unknown"
+
+
+def format_report(
+    seconds: dict[str, float], wall: float, workers: int, exit_status: int, since_ci: float | None = None
+) -> str:
+    """Per-file totals, then every test, slowest first (seconds summed over setup, call and teardown). `since_ci`:
+    seconds since .ci/run started (setup, lint, the student build and this suite), when it did."""
     by_file: dict[str, float] = defaultdict(float)
     for nodeid, s in seconds.items():
         by_file[nodeid.split("::", 1)[0]] += s
@@ -66,6 +79,8 @@ def format_report(seconds: dict[str, float], wall: float, workers: int, exit_sta
         f"# {len(seconds)} tests in {wall:.0f} s wall on {workers} worker(s), exit status {exit_status}",
         f"# {_cpu()}, {os.cpu_count()} logical cores; profile {os.environ.get('LABKIT_PROFILE', '?')}",
         f"# written {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; times are per test, summed over workers",
+        f"# commit {_commit()}"
+        + ("" if since_ci is None else f"; .ci/run started {since_ci:.0f} s before this report was written"),
         "",
         "## per file",
         *(f"{s:8.1f}  {name}" for name, s in sorted(by_file.items(), key=lambda kv: -kv[1])),
@@ -81,7 +96,30 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if not dest or hasattr(session.config, "workerinput") or not _seconds:  # an xdist worker reports, never writes
         return
     workers = getattr(session.config.option, "numprocesses", None) or 1
-    text = format_report(_seconds, time.monotonic() - _started, workers, int(exitstatus))
+    started = os.environ.get(CI_STARTED)
+    since_ci = time.time() - float(started) if started else None
+    wall = time.monotonic() - _started
+    text = format_report(_seconds, wall, workers, int(exitstatus), since_ci)
     tmp = Path(dest).with_suffix(".tmp")
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(dest)
+    if since_ci is not None:  # a whole .ci/run: saved as a run for the README (commit it from a fresh clone's run)
+        from labkit import results
+
+        results.save_run("make_test", ci_figures(_seconds, wall, workers, int(exitstatus), since_ci))
+
+
+def ci_figures(seconds: dict[str, float], wall: float, workers: int, exit_status: int, since_ci: float) -> dict:
+    """What a whole .ci/run measured: its time, the suite's, the outcome and each file's summed seconds."""
+    by_file: dict[str, float] = defaultdict(float)
+    for nodeid, s in seconds.items():
+        by_file[nodeid.split("::", 1)[0]] += s
+    return {
+        "ci_seconds": round(since_ci, 1),
+        "suite_seconds": round(wall, 1),
+        "workers": workers,
+        "tests": len(seconds),
+        "exit_status": exit_status,
+        "commit": _commit(),
+        "files": {name: round(s, 1) for name, s in sorted(by_file.items(), key=lambda kv: -kv[1])},
+    }

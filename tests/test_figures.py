@@ -5,6 +5,7 @@ exactly what it renders."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook, new_output
@@ -26,6 +27,8 @@ def test_fmt_takes_a_python_spec_or_significant_digits():
     assert figures.fmt(1658880, ",") == "1,658,880"
     assert figures.fmt("inf", ".1f") == "inf"  # stored as text, formatted as the float it was
     assert figures.fmt("4-bit g64", "") == "4-bit g64"
+    assert figures.fmt(1194.3, "min") == "19 min 54 s"
+    assert figures.fmt(6701.0, ",") == "6,701" and figures.fmt(64.0, "") == "64" and figures.fmt(0.5, "") == "0.5"
     with pytest.raises(figures.FigureError, match="significant digits"):
         figures.fmt(1.0, "~x")
     with pytest.raises(figures.FigureError, match="cannot format 'text'"):
@@ -40,6 +43,7 @@ RUN = {
         {"method": "wanda", "sparsity": "2:4", "ppl": 188.31},
     ],
     "parity": {"ours_s": 1.7358, "theirs_s": 1.5397},
+    "seconds_per_step": {"labkit.train.fit": 0.412, "bare loop": 0.420},
 }
 
 
@@ -48,6 +52,7 @@ def test_lookup_follows_keys_indices_and_selectors():
     assert figures.lookup(RUN, "runs.1.ppl") == 46.3158
     assert figures.lookup(RUN, "runs[method=wanda,sparsity=2:4].ppl") == 188.31
     assert figures.lookup(RUN, "runs[sparsity=0.0].method") == "dense"
+    assert figures.lookup(RUN, "seconds_per_step[labkit.train.fit]") == 0.412  # a key with dots, in brackets
     with pytest.raises(figures.FigureError, match=r"matches 2 of 3 entries, not one"):
         figures.lookup(RUN, "runs[method=wanda].ppl")
     with pytest.raises(figures.FigureError, match=r"no 'ppx' \(there: method, sparsity, ppl\)"):
@@ -62,8 +67,13 @@ def test_ratios_and_differences_of_two_figures():
     assert figures.evaluate(RUN, "documents − 4", by_name=False) == 60
     lab = {"tokens/s, 1 rank": 450.0, "tokens/s, 2 ranks": 829.0}  # a lab's names keep their '/' and ','
     assert figures.evaluate(lab, "tokens/s, 2 ranks ÷ tokens/s, 1 rank", by_name=True) == pytest.approx(829 / 450)
+    with pytest.raises(figures.FigureError, match="'speed' was not measured in this run"):
+        figures.evaluate({"speed": None}, "speed", by_name=True)
     with pytest.raises(figures.FigureError, match="division by zero"):
         figures.evaluate(RUN, "documents ÷ 0", by_name=False)
+
+
+README_BEGIN = figures.begin(Path("docs/measured.md"))
 
 
 def make_repo(tmp_path, *, executed=True):
@@ -75,7 +85,13 @@ def make_repo(tmp_path, *, executed=True):
     nb = new_notebook(cells=[cell])
     if executed:
         nb.metadata["labkit"] = {
-            "executed": {"profile": "cpu", "cpu": "Test CPU", "gpus": [], "date": "2026-11-25 10:00 UTC"}
+            "executed": {
+                "profile": "cpu",
+                "cpu": "Test CPU",
+                "gpus": [],
+                "date": "2026-11-25 10:00 UTC",
+                "seconds": 61.5,
+            },
         }
     (tmp_path / "labs" / "04_data.ipynb").write_text(json.dumps(nb))
     run = tmp_path / "results" / "pruning" / "20261124-092151-vm.json"
@@ -92,25 +108,29 @@ def make_repo(tmp_path, *, executed=True):
         "| typed | 3.14 | by hand |\n"
     )
     (tmp_path / "docs" / "measured.md").write_text(template)
-    (tmp_path / "README.md").write_text(f"# course\n\n{figures.BEGIN}\nold table\n{figures.END}\n\nmore prose\n")
+    (tmp_path / "README.md").write_text(f"# course\n\n{README_BEGIN}\nold table\n{figures.END}\n\nmore prose\n")
+    (tmp_path / "docs" / "times.md").write_text("| lab | cpu |\n|---|---|\n| 04 | {{lab04: executed seconds}} s |\n")
+    guide = f"# guide\n{figures.begin(Path('docs/times.md'))}\n{figures.END}\n"
+    (tmp_path / "docs" / "instructor.md").write_text(guide)
     return tmp_path
 
 
 def test_a_template_renders_each_figure_from_its_source_with_links(tmp_path):
     root = make_repo(tmp_path)
-    assert figures.update(root) is True
+    assert figures.update(root) == [Path("README.md"), Path("docs/instructor.md")]
     readme = (root / "README.md").read_text()
     lab = "[lab 04](labs/04_data.ipynb) (`cpu`, Test CPU, 2026-11-25)"
     bench = (
         "[benchmarks/pruning.py](results/pruning/20261124-092151-vm.json) (`cpu`, NVIDIA H100 80GB HBM3, 2026-11-24)"
     )
     assert readme == (
-        f"# course\n\n{figures.BEGIN}\n| what | figure | where |\n|---|---|---|\n"
+        f"# course\n\n{README_BEGIN}\n| what | figure | where |\n|---|---|---|\n"
         f"| DDP | 450 vs 829 tokens/s, 1.84× | {lab} |\n"
         f"| Wanda | 46.3 vs 450 | {bench}; {lab} |\n"
         f"| typed | 3.14 | by hand |\n{figures.END}\n\nmore prose\n"
     )
-    assert figures.update(root) is False  # rendering again changes nothing
+    assert (root / "docs" / "instructor.md").read_text().endswith("| 04 | 61.5 s |\n<!-- figures: end -->\n")
+    assert figures.update(root) == [] and figures.stale(root) == []  # rendering again changes nothing
     assert figures.typed_rows((root / "docs" / "measured.md").read_text()) == ["| typed | 3.14 | by hand |"]
 
 
@@ -118,28 +138,43 @@ def test_errors_name_the_line_and_what_is_missing(tmp_path):
     root = make_repo(tmp_path)
     template = root / "docs" / "measured.md"
     template.write_text("| a | {{lab04: tokens/s, 3 ranks}} |\n")
-    with pytest.raises(figures.FigureError, match=r"measured.md, line 1: .*no figure 'tokens/s, 3 ranks'; there are"):
-        figures.rendered_readme(root)
+    with pytest.raises(figures.FigureError, match=r"docs/measured.md, line 1: .*no figure 'tokens/s, 3 ranks'"):
+        figures.rendered(Path("README.md"), root)
     template.write_text("\n| a | {{lab07: perplexity}} |\n")
     with pytest.raises(figures.FigureError, match=r"line 2: lab07: no notebook labs/07_\*.ipynb"):
-        figures.rendered_readme(root)
+        figures.rendered(Path("README.md"), root)
     template.write_text("| a | {{bench/missing: x}} |\n")
     with pytest.raises(FileNotFoundError, match="run benchmarks/missing.py"):
-        figures.rendered_readme(root)
+        figures.rendered(Path("README.md"), root)
     template.write_text("| a | {{perplexity}} |\n")
     with pytest.raises(figures.FigureError, match=r"write \{\{source: figure \| format\}\}"):
-        figures.rendered_readme(root)
+        figures.rendered(Path("README.md"), root)
     (root / "README.md").write_text("# no markers\n")
     with pytest.raises(figures.FigureError, match="needs exactly one"):
-        figures.rendered_readme(root)
+        figures.rendered(Path("README.md"), root)
 
 
 def test_a_lab_not_written_by_make_execute_is_no_source(tmp_path):
     root = make_repo(tmp_path, executed=False)
     with pytest.raises(figures.FigureError, match="04_data.ipynb was not written by `make execute`"):
-        figures.rendered_readme(root)
+        figures.rendered(Path("README.md"), root)
 
 
-def test_the_committed_readme_is_what_make_figures_renders():
-    readme = (figures.ROOT / "README.md").read_text(encoding="utf-8")
-    assert figures.rendered_readme() == readme, "README.md differs from docs/measured.md's rendering: run make figures"
+def test_the_committed_readme_and_guide_are_what_make_figures_renders():
+    assert figures.stale() == [], "differs from its template's rendering: run make figures"
+
+
+def test_a_benchmark_source_can_pick_the_newest_run_with_given_settings(tmp_path):
+    root = make_repo(tmp_path)
+    for stamp, vocab, speed in (("20261124-000000", 16384, 0.71), ("20261125-000000", 4096, 1.09)):
+        run = root / "results" / "tok" / f"{stamp}-vm.json"
+        run.parent.mkdir(exist_ok=True)
+        figures_ = {"vocab_size": vocab, "train MB/s": [speed, 3.41]}
+        run.write_text(json.dumps({"benchmark": "tok", "machine": {"profile": "cpu"}, "figures": figures_}))
+    line = "| {{bench/tok: train MB/s.0}} / {{bench/tok[vocab_size=16384]: train MB/s.0}} | {{sources}} |"
+    assert figures.render_line(line, figures.Sources(root)) == (
+        "| 1.09 / 0.71 | [benchmarks/tok.py](results/tok/20261125-000000-vm.json) (`cpu`, unknown machine, ?); "
+        "[benchmarks/tok.py](results/tok/20261124-000000-vm.json) (`cpu`, unknown machine, ?) |"
+    )
+    with pytest.raises(figures.FigureError, match=r"no saved run whose figures match \[vocab_size=8\]"):
+        figures.render_line("{{bench/tok[vocab_size=8]: documents}}", figures.Sources(root))
