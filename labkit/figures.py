@@ -18,6 +18,7 @@ lines between its file's markers; a test fails when a committed file differs fro
 from __future__ import annotations
 
 import math
+import posixpath
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ TARGETS = {  # file -> its template; the rendering replaces the lines between th
     Path("docs/instructor.md"): Path("docs/times.md"),
 }
 END = "<!-- figures: end -->"
+RUN_LABELS = {"make_test": "a fresh clone's `.ci/run`"}  # saved runs that no script in benchmarks/ makes
 
 
 def begin(template: Path) -> str:
@@ -188,7 +190,8 @@ class Sources:
             if selector:  # the newest run made with these settings
                 path, record = _newest_matching(results.runs(benchmark, self.root / results.RESULTS), selector, name)
             link = path.relative_to(self.root).as_posix()
-            return record["figures"], Source(f"benchmarks/{benchmark}.py", link, self._machine(record["machine"]))
+            label = RUN_LABELS.get(benchmark, f"benchmarks/{benchmark}.py")
+            return record["figures"], Source(label, link, self._machine(record["machine"]))
         raise FigureError(f"unknown source {name!r}: labNN or bench/<benchmark>")
 
     def get(self, name: str) -> tuple[dict[str, Any], Source]:
@@ -197,8 +200,8 @@ class Sources:
         return self._cache[name]
 
 
-def render_line(line: str, sources: Sources) -> str:
-    """One template line with its figures filled in and `{{sources}}` linked."""
+def render_line(line: str, sources: Sources, base: str = ".") -> str:
+    """One template line with its figures filled in and `{{sources}}` linked (relative to the folder `base`)."""
     used: list[Source] = []
 
     def fill(match: re.Match[str]) -> str:
@@ -219,16 +222,16 @@ def render_line(line: str, sources: Sources) -> str:
         return fmt(value, spec.strip())
 
     text = PLACEHOLDER.sub(fill, line)
-    links = "; ".join(f"[{s.label}]({s.link}) ({s.machine})" for s in used)
+    links = "; ".join(f"[{s.label}]({posixpath.relpath(s.link, base)}) ({s.machine})" for s in used)
     return text.replace("{{sources}}", links)
 
 
-def render(template: str, sources: Sources, name: str = "template") -> str:
+def render(template: str, sources: Sources, name: str = "template", base: str = ".") -> str:
     """The whole template rendered, line by line; an error names the line."""
     out = []
     for number, line in enumerate(template.splitlines(), 1):
         try:
-            out.append(render_line(line, sources))
+            out.append(render_line(line, sources, base))
         except FigureError as err:
             raise FigureError(f"{name}, line {number}: {err}") from None
     return "\n".join(out) + "\n"
@@ -250,7 +253,8 @@ def rendered(target: Path, root: Path = ROOT, sources: Sources | None = None) ->
         raise FigureError(f"{target} needs exactly one {start!r} followed by one {END!r}")
     head, rest = text.split(start)
     _, tail = rest.split(END)
-    table = render((root / template).read_text(encoding="utf-8"), sources or Sources(root), template.as_posix())
+    base = target.parent.as_posix()  # links work from the file they are in
+    table = render((root / template).read_text(encoding="utf-8"), sources or Sources(root), template.as_posix(), base)
     return f"{head}{start}\n{table}{END}{tail}"
 
 

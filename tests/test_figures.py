@@ -109,7 +109,9 @@ def make_repo(tmp_path, *, executed=True):
     )
     (tmp_path / "docs" / "measured.md").write_text(template)
     (tmp_path / "README.md").write_text(f"# course\n\n{README_BEGIN}\nold table\n{figures.END}\n\nmore prose\n")
-    (tmp_path / "docs" / "times.md").write_text("| lab | cpu |\n|---|---|\n| 04 | {{lab04: executed seconds}} s |\n")
+    (tmp_path / "docs" / "times.md").write_text(
+        "| lab | cpu | by |\n|---|---|---|\n| 04 | {{lab04: executed seconds}} s | {{sources}} |\n"
+    )
     guide = f"# guide\n{figures.begin(Path('docs/times.md'))}\n{figures.END}\n"
     (tmp_path / "docs" / "instructor.md").write_text(guide)
     return tmp_path
@@ -129,7 +131,10 @@ def test_a_template_renders_each_figure_from_its_source_with_links(tmp_path):
         f"| Wanda | 46.3 vs 450 | {bench}; {lab} |\n"
         f"| typed | 3.14 | by hand |\n{figures.END}\n\nmore prose\n"
     )
-    assert (root / "docs" / "instructor.md").read_text().endswith("| 04 | 61.5 s |\n<!-- figures: end -->\n")
+    guide = (root / "docs" / "instructor.md").read_text()  # its links start from docs/
+    assert guide.endswith(
+        "| 04 | 61.5 s | [lab 04](../labs/04_data.ipynb) (`cpu`, Test CPU, 2026-11-25) |\n" + figures.END + "\n"
+    )
     assert figures.update(root) == [] and figures.stale(root) == []  # rendering again changes nothing
     assert figures.typed_rows((root / "docs" / "measured.md").read_text()) == ["| typed | 3.14 | by hand |"]
 
