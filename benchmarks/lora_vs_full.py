@@ -105,7 +105,7 @@ def main() -> None:
         out = subprocess.run(child, check=True, capture_output=True, text=True).stdout
         methods[method] = json.loads(out.strip().splitlines()[-1])
     full, low = methods["full"], methods["lora"]
-    if "qlora" in results:
+    if "qlora" in methods:
         methods["qlora"]["method"] += " (GPTQ 4-bit base, packed)"
     print(
         f"{args.steps} steps x {args.batch_size} examples (max {args.max_length} tokens), {args.eval_examples} "
@@ -125,7 +125,7 @@ def main() -> None:
         "accuracy_lora": low["accuracy"],
         "accuracy_full": full["accuracy"],
     }
-    if "qlora" in results:
+    if "qlora" in methods:
         summary["peak_memory_ratio_qlora_over_full"] = methods["qlora"]["peak_bytes"] / full["peak_bytes"]
         summary["accuracy_qlora"] = methods["qlora"]["accuracy"]
     for key, value in summary.items():
