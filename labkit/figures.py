@@ -88,12 +88,23 @@ def fmt(value: Any, spec: str) -> str:
         raise FigureError(f"cannot format {value!r} with {spec!r}: {err}") from None
 
 
+def _wanted(selector: str) -> dict[str, str]:
+    """A selector `key=value[,key=value...]` as a dict."""
+    parts = selector.split(",")
+    wanted = dict(part.split("=", 1) for part in parts if "=" in part)
+    if len(wanted) != len(parts):  # a part without '=', or a key given twice
+        raise FigureError(f"[{selector}]: a selector is key=value[,key=value...]")
+    return wanted
+
+
+def _matches(item: Any, wanted: dict[str, str]) -> bool:
+    return isinstance(item, dict) and all(str(item.get(k)) == v for k, v in wanted.items())
+
+
 def _select(items: list[Any], selector: str) -> Any:
     """The one dict in `items` whose fields equal every `key=value` of the selector (compared as text)."""
-    wanted = dict(part.split("=", 1) for part in selector.split(",") if "=" in part)
-    if not wanted or len(wanted) != len(selector.split(",")):
-        raise FigureError(f"[{selector}]: a selector is key=value[,key=value...]")
-    found = [x for x in items if isinstance(x, dict) and all(str(x.get(k)) == v for k, v in wanted.items())]
+    wanted = _wanted(selector)
+    found = [x for x in items if _matches(x, wanted)]
     if len(found) != 1:
         raise FigureError(f"[{selector}] matches {len(found)} of {len(items)} entries, not one")
     return found[0]
@@ -152,9 +163,9 @@ def evaluate(figures: dict[str, Any], expression: str, *, by_name: bool) -> Any:
 
 
 def _newest_matching(found: list[tuple[Path, dict[str, Any]]], selector: str, name: str) -> tuple[Path, dict[str, Any]]:
-    wanted = dict(part.split("=", 1) for part in selector.split(",") if "=" in part)
-    hits = [(p, r) for p, r in found if all(str(r["figures"].get(k)) == v for k, v in wanted.items())]
-    if not wanted or not hits:
+    wanted = _wanted(selector)
+    hits = [(p, r) for p, r in found if _matches(r["figures"], wanted)]
+    if not hits:
         raise FigureError(f"{name}: no saved run whose figures match [{selector}]")
     return hits[-1]
 
@@ -176,19 +187,22 @@ class Sources:
             if len(found) != 1:
                 raise FigureError(f"{name}: no notebook labs/{name[3:]}_*.ipynb")
             nb = found[0]
-            executed = results.notebook_metadata(nb).get("executed")
+            recorded, payloads = results.saved_notebook(nb)
+            executed = recorded.get("executed")
             if not executed:
                 raise FigureError(f"{name}: {nb.name} was not written by `make execute` (no machine recorded)")
             figures: dict[str, Any] = {"executed seconds": executed.get("seconds")}  # `make execute`'s whole run
-            for payload in results.notebook_figures(nb):
+            for payload in payloads:
                 figures.update(payload.get("figures", {}))
             link = nb.relative_to(self.root).as_posix()
             return figures, Source(f"lab {name[3:]}", link, self._machine(executed))
         if match := re.fullmatch(r"bench/(\w+)(?:\[(.*)\])?", name):
             benchmark, selector = match.groups()
-            path, record = results.latest(benchmark, self.root / results.RESULTS)
+            folder = self.root / results.RESULTS
             if selector:  # the newest run made with these settings
-                path, record = _newest_matching(results.runs(benchmark, self.root / results.RESULTS), selector, name)
+                path, record = _newest_matching(results.runs(benchmark, folder), selector, name)
+            else:
+                path, record = results.latest(benchmark, folder)
             link = path.relative_to(self.root).as_posix()
             label = RUN_LABELS.get(benchmark, f"benchmarks/{benchmark}.py")
             return record["figures"], Source(label, link, self._machine(record["machine"]))

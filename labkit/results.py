@@ -117,18 +117,20 @@ def publish(text: str, payload: dict[str, Any]) -> None:
     display({"text/plain": text, MIME: _plain(payload)}, raw=True)
 
 
-def notebook_metadata(path: str | Path) -> dict[str, Any]:
-    """What `labkit execute` recorded in a saved notebook (`executed`: the machine, profile and run time), or {}."""
-    return json.loads(Path(path).read_text(encoding="utf-8")).get("metadata", {}).get("labkit", {})
-
-
-def notebook_figures(path: str | Path) -> list[dict[str, Any]]:
-    """Every payload a saved notebook published (`publish`), in cell order."""
+def saved_notebook(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A saved notebook, read once: what `labkit execute` recorded in it ({"executed": machine, profile, run time},
+    or {}) and every payload it published (`publish`), in cell order."""
     nb = json.loads(Path(path).read_text(encoding="utf-8"))
-    return [
+    payloads = [
         out["data"][MIME]
         for cell in nb.get("cells", [])
         if cell.get("cell_type") == "code"
         for out in cell.get("outputs", [])
         if MIME in out.get("data", {})
     ]
+    return nb.get("metadata", {}).get("labkit", {}), payloads
+
+
+def notebook_figures(path: str | Path) -> list[dict[str, Any]]:
+    """Every payload a saved notebook published (`publish`), in cell order."""
+    return saved_notebook(path)[1]

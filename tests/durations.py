@@ -59,6 +59,14 @@ def _cpu() -> str:
         return platform.processor() or platform.machine()
 
 
+def _by_file(seconds: dict[str, float]) -> dict[str, float]:
+    """Each file's seconds summed over its tests, slowest first."""
+    by_file: dict[str, float] = defaultdict(float)
+    for nodeid, s in seconds.items():
+        by_file[nodeid.split("::", 1)[0]] += s
+    return dict(sorted(by_file.items(), key=lambda kv: -kv[1]))
+
+
 def _commit() -> str:
     try:
         done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
@@ -72,9 +80,7 @@ def format_report(
 ) -> str:
     """Per-file totals, then every test, slowest first (seconds summed over setup, call and teardown). `since_ci`:
     seconds since .ci/run started (setup, lint, the student build and this suite), when it did."""
-    by_file: dict[str, float] = defaultdict(float)
-    for nodeid, s in seconds.items():
-        by_file[nodeid.split("::", 1)[0]] += s
+    by_file = _by_file(seconds)
     lines = [
         f"# {len(seconds)} tests in {wall:.0f} s wall on {workers} worker(s), exit status {exit_status}",
         f"# {_cpu()}, {os.cpu_count()} logical cores; profile {os.environ.get('LABKIT_PROFILE', '?')}",
@@ -83,7 +89,7 @@ def format_report(
         + ("" if since_ci is None else f"; .ci/run started {since_ci:.0f} s before this report was written"),
         "",
         "## per file",
-        *(f"{s:8.1f}  {name}" for name, s in sorted(by_file.items(), key=lambda kv: -kv[1])),
+        *(f"{s:8.1f}  {name}" for name, s in by_file.items()),
         "",
         "## per test",
         *(f"{s:8.2f}  {nodeid}" for nodeid, s in sorted(seconds.items(), key=lambda kv: -kv[1])),
@@ -111,9 +117,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 def ci_figures(seconds: dict[str, float], wall: float, workers: int, exit_status: int, since_ci: float) -> dict:
     """What a whole .ci/run measured: its time, the suite's, the outcome and each file's summed seconds."""
-    by_file: dict[str, float] = defaultdict(float)
-    for nodeid, s in seconds.items():
-        by_file[nodeid.split("::", 1)[0]] += s
     return {
         "ci_seconds": round(since_ci, 1),
         "suite_seconds": round(wall, 1),
@@ -121,5 +124,5 @@ def ci_figures(seconds: dict[str, float], wall: float, workers: int, exit_status
         "tests": len(seconds),
         "exit_status": exit_status,
         "commit": _commit(),
-        "files": {name: round(s, 1) for name, s in sorted(by_file.items(), key=lambda kv: -kv[1])},
+        "files": {name: round(s, 1) for name, s in _by_file(seconds).items()},
     }
