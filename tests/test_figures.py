@@ -106,6 +106,7 @@ def make_repo(tmp_path, *, executed=True):
         "| Wanda | {{bench/pruning: runs[method=wanda,sparsity=50%].ppl | ~3}} vs {{lab04: tokens/s, 1 rank | .0f}} "
         "| {{sources}} |\n"
         "| typed | 3.14 | by hand |\n"
+        "| checked | equal | `tests/test_x.py` |\n"
     )
     (tmp_path / "docs" / "measured.md").write_text(template)
     (tmp_path / "README.md").write_text(f"# course\n\n{README_BEGIN}\nold table\n{figures.END}\n\nmore prose\n")
@@ -129,7 +130,7 @@ def test_a_template_renders_each_figure_from_its_source_with_links(tmp_path):
         f"# course\n\n{README_BEGIN}\n| what | figure | where |\n|---|---|---|\n"
         f"| DDP | 450 vs 829 tokens/s, 1.84× | {lab} |\n"
         f"| Wanda | 46.3 vs 450 | {bench}; {lab} |\n"
-        f"| typed | 3.14 | by hand |\n{figures.END}\n\nmore prose\n"
+        f"| typed | 3.14 | by hand |\n| checked | equal | `tests/test_x.py` |\n{figures.END}\n\nmore prose\n"
     )
     guide = (root / "docs" / "instructor.md").read_text()  # its links start from docs/
     assert guide.endswith(
