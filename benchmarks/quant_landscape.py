@@ -30,7 +30,7 @@ def decoder_weights(model: nn.Module) -> list[torch.Tensor]:
 
 def nf4_parity(model: nn.Module, repeats: int) -> dict:
     """labkit's NF4 vs bitsandbytes' on every decoder weight: differing codes, and whole-model time (median)."""
-    import bitsandbytes.functional as bnbf
+    bnbf = quant.import_bitsandbytes().functional
 
     weights = decoder_weights(model)
     labkit_s, bnb_s = [], []

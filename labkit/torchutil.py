@@ -10,6 +10,7 @@ import contextlib
 import io
 import math
 import os
+import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -146,12 +147,21 @@ def quiet(what: str, *, ignore_warnings: tuple[str, ...] = ()) -> Iterator[None]
     """Hold back what a library prints (banners, progress lines); if `what` fails, raise with the output's end.
 
     `ignore_warnings` are message regexes of warnings that say nothing to the reader; others still show.
+    transformers' own log, when it is imported, is held to errors for the call: its handler writes to the stderr it
+    found at import, which redirecting `sys.stderr` does not reach.
     """
     log = io.StringIO()
+    hf_logging = sys.modules.get("transformers.utils.logging")
+    verbosity = hf_logging.get_verbosity() if hf_logging else None
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
             for message in ignore_warnings:
                 warnings.filterwarnings("ignore", message=message)
+            if hf_logging:
+                hf_logging.set_verbosity_error()
             yield
     except Exception as err:
         raise RuntimeError(f"{what} failed; its output ends with:\n{log.getvalue()[-3000:]}") from err
+    finally:
+        if hf_logging:
+            hf_logging.set_verbosity(verbosity)

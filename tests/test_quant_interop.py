@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -122,3 +124,19 @@ def test_quantizing_with_gptqmodel_matches_the_fixture_and_leaves_no_trace(tmp_p
     ours, shipped = load_gptq(dest), load_gptq(FIXTURES / "gptqmodel_tiny")
     for name, q in shipped.weights.items():
         assert torch.equal(ours.weights[name].codes, q.codes), name
+
+
+def _stderr_of(code: str) -> str:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120).stderr
+
+
+@pytest.mark.skipif(not interop.bitsandbytes_available(), reason="bitsandbytes is not installed")
+def test_bitsandbytes_imports_without_its_hub_kernel_warning():
+    plain = _stderr_of("import bitsandbytes")
+    if "kernels-community" not in plain:
+        pytest.skip("this CPU has no AVX512-BF16: bitsandbytes logs no hub-kernel warning to hold back")
+    ours = _stderr_of(
+        "import logging; from labkit.quant import import_bitsandbytes; import_bitsandbytes(); "
+        "assert logging.getLogger('bitsandbytes.backends.cpu.ops').level == logging.NOTSET"  # left as it was
+    )
+    assert "kernels-community" not in ours

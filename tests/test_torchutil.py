@@ -70,6 +70,30 @@ def test_quiet_holds_back_output_and_named_warnings_and_shows_the_output_on_fail
     assert isinstance(err.value.__cause__, OSError)
 
 
+def test_quiet_holds_back_the_transformers_log_for_the_call_only():
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    seen: list[str] = []
+    catcher = logging.Handler()
+    catcher.emit = lambda record: seen.append(record.getMessage())  # whichever stream transformers' handler holds
+    root = hf_logging.get_logger("transformers")
+    root.addHandler(catcher)
+    original = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_warning()  # whatever an earlier test left
+    before = hf_logging.get_verbosity()
+    try:
+        with torchutil.quiet("loading"):
+            hf_logging.get_logger("transformers.modeling_utils").warning("`loss_type=None` was set in the config")
+        assert seen == [] and hf_logging.get_verbosity() == before
+        hf_logging.get_logger("transformers.modeling_utils").warning("after the call")
+        assert seen == ["after the call"]
+    finally:
+        root.removeHandler(catcher)
+        hf_logging.set_verbosity(original)
+
+
 @pytest.mark.parametrize(
     "value, integer, number",
     [(3, True, True), (True, False, False), (3.0, False, True), ("3", False, False), (float("nan"), False, False)]

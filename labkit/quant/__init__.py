@@ -32,7 +32,13 @@ from labkit.quant.cache import quantize_model_cached
 from labkit.quant.checkpoint import load_gptq, pack_rows, save_gptq
 from labkit.quant.formats import QuantConfig, bits_per_weight, grid, quantize_rtn
 from labkit.quant.gptq import gptq_quantize, hessian_error, inverse_hessian_factor, quantize_column
-from labkit.quant.interop import gptq_kernels, gptqmodel_available, load_with_transformers, quantize_with_gptqmodel
+from labkit.quant.interop import (
+    gptq_kernels,
+    gptqmodel_available,
+    import_bitsandbytes,
+    load_with_transformers,
+    quantize_with_gptqmodel,
+)
 from labkit.quant.model import METHODS, calibration_blocks, input_hessian, quantize_model, weight_bytes
 from labkit.quant.nf4 import quantize_model_nf4, quantize_nf4
 from labkit.quant.packed import NF4Linear, PackedLinear, pack_model, pack_model_nf4, store_embeddings
@@ -50,6 +56,7 @@ __all__ = [
     "gptqmodel_available",
     "grid",
     "hessian_error",
+    "import_bitsandbytes",
     "input_hessian",
     "inverse_hessian_factor",
     "load_gptq",

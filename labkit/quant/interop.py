@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import logging
 import os
 import tempfile
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -114,10 +116,24 @@ def bitsandbytes_available() -> bool:
     return importlib.util.find_spec("bitsandbytes") is not None
 
 
+def import_bitsandbytes() -> ModuleType:
+    """bitsandbytes, imported without the warning it logs on a CPU with AVX512-BF16 when the optional `kernels`
+    package is missing: with that package it would fetch a faster 4-bit CPU kernel from the Hugging Face Hub, which
+    this offline course never does. Its built-in CPU path, which it uses instead, is the one the parity tests check."""
+    log = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        import bitsandbytes
+    finally:
+        log.setLevel(level)
+    return bitsandbytes
+
+
 def to_bnb_4bit(model: nn.Module, compute_dtype: torch.dtype = torch.float32, blocksize: int = 64) -> nn.Module:
     """Every nn.Linear inside the decoder blocks swapped, in place, for bitsandbytes' `Linear4bit` (NF4 with double
     quantization, as QLoRA loads a model): the library side of `quantize_model_nf4` + `pack_model_nf4`."""
-    import bitsandbytes as bnb
+    bnb = import_bitsandbytes()
 
     for block in decoder_layers(model):
         for name, linear in [(n, m) for n, m in block.named_modules() if isinstance(m, nn.Linear)]:
@@ -163,7 +179,7 @@ def nf4_from_bnb(layer: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Mod
 
 def from_bnb_4bit(model: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Module:
     """Every bitsandbytes `Linear4bit` of `model` swapped, in place, for labkit's NF4Linear with the same codes."""
-    import bitsandbytes as bnb
+    bnb = import_bitsandbytes()
 
     for name, layer in [(n, m) for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)]:
         replace_module(model, name, nf4_from_bnb(layer, dtype))
