@@ -178,7 +178,12 @@ class Sources:
         self._cache: dict[str, tuple[dict[str, Any], Source]] = {}
 
     def _machine(self, fp: dict[str, Any]) -> str:
-        where = ", ".join(fp.get("gpus") or []) or fp.get("cpu", "unknown machine")
+        """`profile`, the GPUs or else the CPU with its vector features (which tell two "AMD EPYC" VMs apart and
+        say whether bf16 ran natively), and the date."""
+        cpu = fp.get("cpu", "unknown machine")
+        if fp.get("cpu_features"):
+            cpu += f" [{'/'.join(fp['cpu_features'])}]"
+        where = ", ".join(fp.get("gpus") or []) or cpu
         return f"`{fp.get('profile', '?')}`, {where}, {str(fp.get('date', '?'))[:10]}"
 
     def _load(self, name: str) -> tuple[dict[str, Any], Source]:

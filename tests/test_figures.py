@@ -88,6 +88,7 @@ def make_repo(tmp_path, *, executed=True):
             "executed": {
                 "profile": "cpu",
                 "cpu": "Test CPU",
+                "cpu_features": ["avx2", "avx512_bf16"],
                 "gpus": [],
                 "date": "2026-11-25 10:00 UTC",
                 "seconds": 61.5,
@@ -122,7 +123,7 @@ def test_a_template_renders_each_figure_from_its_source_with_links(tmp_path):
     root = make_repo(tmp_path)
     assert figures.update(root) == [Path("README.md"), Path("docs/instructor.md")]
     readme = (root / "README.md").read_text()
-    lab = "[lab 04](labs/04_data.ipynb) (`cpu`, Test CPU, 2026-11-25)"
+    lab = "[lab 04](labs/04_data.ipynb) (`cpu`, Test CPU [avx2/avx512_bf16], 2026-11-25)"
     bench = (
         "[benchmarks/pruning.py](results/pruning/20261124-092151-vm.json) (`cpu`, NVIDIA H100 80GB HBM3, 2026-11-24)"
     )
@@ -134,7 +135,9 @@ def test_a_template_renders_each_figure_from_its_source_with_links(tmp_path):
     )
     guide = (root / "docs" / "instructor.md").read_text()  # its links start from docs/
     assert guide.endswith(
-        "| 04 | 61.5 s | [lab 04](../labs/04_data.ipynb) (`cpu`, Test CPU, 2026-11-25) |\n" + figures.END + "\n"
+        "| 04 | 61.5 s | [lab 04](../labs/04_data.ipynb) (`cpu`, Test CPU [avx2/avx512_bf16], 2026-11-25) |\n"
+        + figures.END
+        + "\n"
     )
     assert figures.update(root) == [] and figures.stale(root) == []  # rendering again changes nothing
     assert figures.typed_rows((root / "docs" / "measured.md").read_text()) == ["| typed | 3.14 | by hand |"]
