@@ -3,19 +3,26 @@
 A checkpoint is a directory step_N/ (zero-padded to six digits for the eye; ordered by the number,
 of any width) written atomically — built under a temporary name, renamed when whole — with a
 manifest of checksums. Resume takes the newest one that verifies and says which it skipped and why;
-loading checks the manifest and the model's shapes before a single tensor is copied.
+loading checks the manifest and the model's shapes before a single tensor is copied. One run at a time
+writes a directory: `writer_lock` refuses a second one, naming the first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import random
 import re
 import shutil
+import socket
 import subprocess
+import sys
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import asdict
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -135,6 +142,12 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
     return None
 
 
+def saved_config(path: str | Path) -> dict[str, Any]:
+    """The configuration (asdict(TrainConfig), through JSON) of the run that saved checkpoint `path`: what a resume
+    compares with its own before loading anything."""
+    return json.loads((Path(path) / "trainer.json").read_text())["config"]
+
+
 def load_checkpoint(
     path: str | Path,
     model: nn.Module,
@@ -158,6 +171,15 @@ def load_checkpoint(
     if mismatched or unknown:
         detail = "; ".join(mismatched[:3] + [f"unexpected tensor {k}" for k in unknown[:3]])
         raise ValueError(f"checkpoint {path} was saved from another model shape: {detail}")
+    state = json.loads((path / "trainer.json").read_text())
+    if optimizer is not None:  # checked before the weights are copied: a refusal leaves the model as it was
+        sizes = {"checkpoint": [len(g["params"]) for g in state["param_groups"]]}
+        sizes["optimizer"] = [len(g["params"]) for g in optimizer.param_groups]
+        if sizes["checkpoint"] != sizes["optimizer"]:
+            raise ValueError(
+                f"checkpoint {path} was saved by an optimizer with other parameter groups (sizes "
+                f"{sizes['checkpoint']}, this one's {sizes['optimizer']}): were other parameters trainable then?"
+            )
     weights = load_file(str(path / "model.safetensors"), device=str(next(model.parameters()).device))
     model.load_state_dict(weights, strict=False)  # tied weights are stored once
     current = model.state_dict()
@@ -165,7 +187,6 @@ def load_checkpoint(
     absent = [k for k in set(expected) - set(weights) if current[k].data_ptr() not in loaded_storage]  # not tied
     if absent:
         raise ValueError(f"checkpoint {path} lacks tensors: {sorted(absent)[:3]}")
-    state = json.loads((path / "trainer.json").read_text())
     if optimizer is not None:
         tensors = load_file(str(path / "optimizer.safetensors"))
         opt_state: dict[int, dict[str, torch.Tensor]] = {}
@@ -177,6 +198,88 @@ def load_checkpoint(
         scaler.load_state_dict(state["scaler"])
     _set_rng_state(load_file(str(path / "rng.safetensors")), state["rng"])
     return state
+
+
+# ----------------------------------------------------------------------------- one writer at a time
+
+LOCK_FILE = ".labkit-writer.lock"  # in the checkpoint directory: neither a step_N name nor a .step_*.tmp leftover
+_held_locks: set[int] = set()  # descriptors of the writer locks this process holds
+
+
+def _drop_held_locks() -> None:
+    """In a forked child (a DataLoader worker, say): close the inherited lock descriptors, so that the lock ends
+    with the run that took it, not with its last child."""
+    for fd in _held_locks:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _held_locks.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_held_locks)
+
+
+class CheckpointDirBusy(RuntimeError):
+    """Another live run writes to the checkpoint directory: two writers would delete each other's saves."""
+
+
+def _holder(text: str) -> str:
+    """Who holds a lock, from what it wrote into the lock file."""
+    try:
+        who = json.loads(text)
+        return f"pid {who['pid']} on host {who['host']} since {who['since']} ({who['command']})"
+    except (ValueError, KeyError, TypeError):
+        return "a run that has not yet written who it is"
+
+
+@contextlib.contextmanager
+def writer_lock(directory: str | Path) -> Iterator[Path]:
+    """Hold `directory` for this process's writes alone, or raise CheckpointDirBusy naming the run that holds it:
+    runs that save, rotate and clean up one directory together delete each other's checkpoints.
+
+    A non-blocking flock on LOCK_FILE, into which the holder writes its pid, host, start time and command. The
+    kernel drops the lock when the holder dies, SIGKILL included, so a lock file left behind never blocks the next
+    run. Without fcntl (Windows) nothing is locked, as in assets.file_lock.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / LOCK_FILE
+    try:
+        import fcntl
+    except ImportError:
+        yield path
+        return
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(os.pread(fd, 4096, 0).decode("utf-8", "replace"))
+            os.close(fd)
+            raise CheckpointDirBusy(
+                f"checkpoint_dir {directory} is in use by another training run: {holder}; lock file {path}. "
+                "Wait for that run to end or stop it, or give this run another checkpoint_dir"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                break
+        os.close(fd)  # the previous holder removed the file between our open and our lock: lock the current one
+    _held_locks.add(fd)
+    try:
+        since = datetime.now().astimezone().isoformat(timespec="seconds")
+        command = " ".join(sys.argv)[:300]
+        who = {"pid": os.getpid(), "host": socket.gethostname(), "since": since, "command": command}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(who).encode(), 0)
+        yield path
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # still locked: a run that opened the file meanwhile finds it gone and opens a new one
+        _held_locks.discard(fd)
+        os.close(fd)
 
 
 def kill_when_logged(

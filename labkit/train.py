@@ -14,8 +14,10 @@ import contextlib
 import json
 import math
 import os
+import warnings
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,11 +28,19 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
 from labkit import assets, bench, monitor, precision
-from labkit.checkpoint import latest_checkpoint, load_checkpoint, remove_unfinished, save_checkpoint
+from labkit.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    remove_unfinished,
+    save_checkpoint,
+    saved_config,
+    writer_lock,
+)
 from labkit.profiler import phase
 from labkit.torchutil import activation_checkpointing, check_token_ids, is_int, is_number, seeded, vocab_size
 
 SCHEDULES = ("cosine", "linear", "constant")
+RESUME_MODES = ("same-config", "any-config")
 
 
 @dataclass
@@ -54,6 +64,7 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0  # 0: only at the end (when checkpoint_dir is set)
     keep_checkpoints: int = 2
+    resume: str = "same-config"  # "any-config": resume a checkpoint saved with other settings, with a warning
     log_path: str | None = None
     tensorboard_dir: str | None = None  # a TensorBoard run: train/* scalars and the hardware's system/* beside them
     progress: bool = True
@@ -96,6 +107,29 @@ class TrainConfig:
             raise ValueError("need checkpoint_every >= 0 and keep_checkpoints >= 1")
         if self.scale_growth_interval < 1:
             raise ValueError(f"scale_growth_interval must be >= 1, got {self.scale_growth_interval}")
+        if self.resume not in RESUME_MODES:
+            raise ValueError(f"resume must be one of {RESUME_MODES}, got {self.resume!r}")
+
+
+# Settings a resume may change: where the outputs go and how progress shows, and how the same arithmetic is
+# carried out (activation checkpointing recomputes identical gradients; compile changes rounding only). Every other
+# setting defines the trajectory, the seed included: it names the run. So does `steps` under a decaying schedule:
+# lr_at divides by steps, so a cosine run of 4 steps continued to 6 follows neither the saved run's learning rates
+# nor a 6-step run's (the rate jumps back up at the resume). Under "constant" it only says where to stop, and
+# extending a run is a resume like any other.
+RESUME_MAY_CHANGE = frozenset(
+    {"checkpoint_dir", "checkpoint_every", "keep_checkpoints", "resume", "log_path", "tensorboard_dir", "progress"}
+    | {"extra", "activation_checkpointing", "compile"}
+)
+
+
+def config_changes(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
+    """What differs, as "name saved (saved) vs now (now)", between a checkpoint's saved config and `cfg` among the
+    settings that define the trajectory: what resuming under `cfg` would silently change."""
+    now = json.loads(json.dumps(asdict(cfg)))  # as the checkpoint holds it: the betas tuple becomes a list
+    free = RESUME_MAY_CHANGE | ({"steps"} if cfg.schedule == "constant" else set())
+    changed = [name for name in now if name not in free and name in saved and saved[name] != now[name]]
+    return [f"{name} {saved[name]!r} (saved) vs {now[name]!r} (now)" for name in changed]
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -353,10 +387,16 @@ def fit(model: nn.Module, loader: Iterable, cfg: TrainConfig) -> list[dict[str, 
     verifies (warning about any newer one it skips, and removing what killed saves left behind).
     checkpoint_dir and log_path are checked before the first step.
 
+    A run holds cfg.checkpoint_dir for the whole run (checkpoint.writer_lock): a second run into it is refused
+    with CheckpointDirBusy naming the first, before it changes anything; the lock of a killed run is released by
+    the kernel. A resume first compares the checkpoint's saved configuration with cfg and refuses one saved with
+    other trajectory settings (lr, schedule, seed, ...: see RESUME_MAY_CHANGE), naming them, unless
+    cfg.resume="any-config", which warns and goes on.
+
     Under torchrun (an initialized process group of several ranks) the model is wrapped in
     DistributedDataParallel: give each rank its own shard of the data (make_loader's rank and
     world_size); accumulation skips the all-reduce on all but the last micro-batch (no_sync), and
-    only rank 0 writes checkpoints and logs.
+    only rank 0 writes checkpoints and logs, and holds the lock.
 
     What it changes, it gives back: the model leaves in the train/eval mode it came in, with gradient
     checkpointing off again if cfg.activation_checkpointing turned it on, and torch's RNG (seeded with
@@ -368,18 +408,66 @@ def fit(model: nn.Module, loader: Iterable, cfg: TrainConfig) -> list[dict[str, 
         if getattr(cfg, name) is not None and (problem := assets.output_path_problem(getattr(cfg, name), is_dir)):
             raise ValueError(f"{name}: {problem}")
     device = next(model.parameters()).device
-    was_training = model.training
-    turn_off = cfg.activation_checkpointing and not activation_checkpointing(model)
-    with seeded(cfg.seed, device):
-        try:
-            return _fit(model, loader, cfg, device)
-        finally:
-            model.train(was_training)
-            if turn_off:
-                activation_checkpointing(model, on=False)
+    with _checkpoint_dir_held(cfg, device):
+        latest = _resume_point(cfg)
+        was_training = model.training
+        turn_off = cfg.activation_checkpointing and not activation_checkpointing(model)
+        with seeded(cfg.seed, device):
+            try:
+                return _fit(model, loader, cfg, device, latest)
+            finally:
+                model.train(was_training)
+                if turn_off:
+                    activation_checkpointing(model, on=False)
 
 
-def _fit(model: nn.Module, loader: Iterable, cfg: TrainConfig, device: torch.device) -> list[dict[str, Any]]:
+@contextlib.contextmanager
+def _checkpoint_dir_held(cfg: TrainConfig, device: torch.device) -> Iterator[None]:
+    """Rank 0, the one that writes, holds cfg.checkpoint_dir's writer lock for the run. Under torchrun every rank
+    learns whether it got it, so that a refusal stops them all instead of leaving the others waiting for rank 0 in
+    DDP's first collective."""
+    if not cfg.checkpoint_dir:
+        yield
+        return
+    rank, world = _data_parallel()
+    with contextlib.ExitStack() as held:
+        failure = None
+        if rank == 0:
+            try:
+                held.enter_context(writer_lock(cfg.checkpoint_dir))
+            except Exception as err:  # any failure: the other ranks must hear of it too
+                failure = err
+        if world > 1:
+            failed = torch.tensor([failure is not None], dtype=torch.int32, device=device)
+            dist.broadcast(failed, src=0)
+            if rank > 0 and failed.item():
+                raise RuntimeError(f"rank 0 could not take checkpoint_dir {cfg.checkpoint_dir}: see its error")
+        if failure is not None:
+            raise failure
+        yield
+
+
+def _resume_point(cfg: TrainConfig) -> Path | None:
+    """The checkpoint to resume from (None: start afresh), once its saved configuration is found to match cfg's."""
+    latest = latest_checkpoint(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+    changes = config_changes(saved_config(latest), cfg) if latest is not None else []
+    if changes and cfg.resume == "same-config":
+        raise ValueError(
+            f"checkpoint {latest} was saved by a run with other settings: {'; '.join(changes)}. Resuming would "
+            "continue that run's trajectory under new ones: give this run another checkpoint_dir, or set "
+            'TrainConfig(resume="any-config") to resume anyway'
+        )
+    if changes:
+        warnings.warn(
+            f"resuming from {latest} with changed settings ({'; '.join(changes)}): resume='any-config'",
+            stacklevel=3,  # fit's caller
+        )
+    return latest
+
+
+def _fit(
+    model: nn.Module, loader: Iterable, cfg: TrainConfig, device: torch.device, latest: Path | None
+) -> list[dict[str, Any]]:
     policy = precision.policy(cfg.precision, device)
     if cfg.activation_checkpointing:
         activation_checkpointing(model, on=True)
@@ -394,7 +482,6 @@ def _fit(model: nn.Module, loader: Iterable, cfg: TrainConfig, device: torch.dev
     start, data = 0, DataStream(loader)
     if cfg.checkpoint_dir and rank == 0:
         remove_unfinished(cfg.checkpoint_dir)  # what a kill during a save left behind
-    latest = latest_checkpoint(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
     if latest is not None:
         state = load_checkpoint(latest, model, optimizer, scaler)
         start, data = state["step"], DataStream(loader, **state["data"])

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -14,13 +15,14 @@ import torch
 
 from labkit import precision, shards
 from labkit.bench import read_results
-from labkit.checkpoint import latest_checkpoint, load_checkpoint
+from labkit.checkpoint import latest_checkpoint, load_checkpoint, saved_config
 from labkit.data import pad_batch
 from labkit.models import tiny_gpt2, tiny_llama
 from labkit.train import (
     TrainConfig,
     accumulate_gradients,
     as_batch,
+    config_changes,
     fit,
     loss_sum,
     lr_at,
@@ -140,6 +142,53 @@ def test_resume_fails_clearly_when_no_checkpoint_verifies(data, tmp_path):
     cfg = TrainConfig(steps=4, checkpoint_dir=str(tmp_path), progress=False)
     with pytest.raises(ValueError, match=r"no checkpoint in .* verifies \(step_000003: .*no labkit-manifest"):
         fit(tiny_gpt2(vocab_size=128), shards.make_loader(data, 16, 4), cfg)
+
+
+def _run_in(ck, data, model=None, **changes):
+    """fit a tiny GPT-2 for 2 constant-LR steps into checkpoint directory `ck`, with `changes` to that config."""
+    base = {"steps": 2, "lr": 1e-3, "schedule": "constant", "checkpoint_dir": str(ck), "progress": False}
+    model = model if model is not None else tiny_gpt2(vocab_size=128)
+    return fit(model, shards.make_loader(data, 16, 4), TrainConfig(**{**base, **changes}))
+
+
+@pytest.mark.parametrize(
+    "saved, now, named",
+    [
+        ({}, {"lr": 5e-3}, r"lr 0\.001 \(saved\) vs 0\.005 \(now\)"),
+        ({}, {"betas": (0.9, 0.99)}, r"betas \[0\.9, 0\.95\] \(saved\) vs \[0\.9, 0\.99\] \(now\)"),
+        ({"schedule": "cosine"}, {"schedule": "cosine", "steps": 4}, r"steps 2 \(saved\) vs 4 \(now\)"),
+    ],
+    ids=["lr", "betas", "steps-of-a-cosine-run"],
+)
+def test_resume_refuses_other_trajectory_settings_naming_them_and_changes_nothing(data, tmp_path, saved, now, named):
+    ck = tmp_path / "ck"
+    _run_in(ck, data, **saved)
+    (ck / ".step_000009.x1.tmp").mkdir()  # a killed save's leftover: a refused run must not even clean up
+    files = {p: p.read_bytes() for p in ck.rglob("*") if p.is_file()}
+    model = tiny_gpt2(vocab_size=128, seed=1)
+    before = [p.detach().clone() for p in model.parameters()]
+    refusal = rf"step_000002 was saved by a run with other settings: {named}\. .*TrainConfig\(resume=\"any-config\"\)"
+    with pytest.raises(ValueError, match=refusal):
+        _run_in(ck, data, model, **now)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert {p: p.read_bytes() for p in ck.rglob("*") if p.is_file()} == files and (ck / ".step_000009.x1.tmp").is_dir()
+
+
+def test_resume_may_change_outputs_and_extend_a_constant_run_and_any_config_overrides(data, tmp_path):
+    ck = tmp_path / "ck"
+    _run_in(ck, data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # nothing to warn about: these do not change the trajectory
+        resumed = _run_in(ck, data, steps=3, log_path=str(tmp_path / "log.jsonl"), keep_checkpoints=1, progress=True)
+    assert [r["step"] for r in resumed] == [3]
+    with pytest.warns(UserWarning, match=r"changed settings \(lr 0\.001 \(saved\) vs 0\.002 \(now\)\)"):
+        more = _run_in(ck, data, steps=4, lr=2e-3, resume="any-config")
+    assert [(r["step"], r["lr"]) for r in more] == [(4, 2e-3)]
+    old = saved_config(latest_checkpoint(ck))
+    del old["resume"]  # a checkpoint of the previous version: no `resume` saved, the rest the same
+    assert config_changes(old, TrainConfig(steps=9, lr=2e-3, schedule="constant")) == []
+    with pytest.raises(ValueError, match="resume must be one of"):
+        TrainConfig(steps=1, resume="yes")
 
 
 def _variable_length_batch():
