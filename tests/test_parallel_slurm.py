@@ -3,6 +3,7 @@ script as written trains one model on two stand-in nodes."""
 
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -71,6 +72,38 @@ def test_slurm_script_wants_whole_numbers(name, value):
         slurm.slurm_script("trian.py")
 
 
+# Values that would add a line, a word or a shell command to a job script, or that Slurm would not take.
+HOSTILE_TEXT = ["gpu\ntouch x", "gpu\rtouch x", "gpu\x00", "$(touch x)", "`touch x`", "gpu;touch x", "a b", ""]
+HOSTILE = (
+    [(name, value) for name in ("job_name", "partition", "account") for value in [*HOSTILE_TEXT, "x" * 129, 7]]
+    + [("partition", v) for v in [",", "gpu,", ",gpu", "gpu,,debug", "gpu, debug"]]
+    + [("time_limit", v) for v in [*HOSTILE_TEXT, "00:30:00\n", "1:60:00", "\u0661:00:00", "30", 1800]]
+    + [(name, v) for name in ("nodes", "gpus_per_node", "cpus_per_node", "port") for v in [0, -4, True, 1.5, 10**12]]
+    + [("nodes", None), ("port", "29500"), ("gpus_per_node", "2")]
+    + [("venv", "/opt/venv\ntouch x"), ("venv", "/opt/\rvenv"), ("venv", "/opt/venv\x00")]
+    + [("args", ["--lr", "3e-4\ntouch x"]), ("args", ["\x00"]), ("args", ["--steps", 100]), ("args", "--steps 100")]
+)
+
+
+@pytest.mark.parametrize("name, value", HOSTILE + [("job_name", "a,b"), ("account", "a,b")])
+def test_every_value_written_into_the_script_is_checked(name, value):
+    """Each option refuses what would end its #SBATCH line, split into two words, or that Slurm does not take,
+    with an error naming the option: no value can add a command to the job script."""
+    with pytest.raises((TypeError, ValueError), match=name):
+        slurm.slurm_script(SCRIPT, **{name: value})
+
+
+def test_a_script_path_with_a_newline_is_refused_and_shell_syntax_in_arguments_is_quoted(tmp_path):
+    odd = tmp_path / "train\ntouch x.py"
+    odd.write_text("")
+    with pytest.raises(ValueError, match="script must not hold control characters"):
+        slurm.slurm_script(odd)
+    args = ["$(touch x)", "`touch x`", "a; touch x", "it's", "--name=a b"]
+    text = slurm.slurm_script(SCRIPT, args=args, venv="/opt/$(touch x)/venv", cpus_per_node=16)
+    assert shlex.split(text.splitlines()[-1]) == [str(SCRIPT.resolve()), *args]  # each one word, taken literally
+    assert "source '/opt/$(touch x)/venv/bin/activate'" in text and "#SBATCH --cpus-per-task=16" in text
+
+
 def test_slurm_cli_writes_the_file(tmp_path, capsys, monkeypatch):
     (tmp_path / "train.py").write_text("")
     monkeypatch.chdir(tmp_path)
@@ -118,6 +151,37 @@ def test_slurm_cli_refuses_typos_and_missing_scripts(tmp_path, capsys, monkeypat
     assert cli.main(["slurm", *argv, "-o", "job.sbatch"]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "job.sbatch").exists()
+
+
+def run_cli(argv):
+    """cli.main's exit status, also where argparse exits (a value that is not a number)."""
+    try:
+        return cli.main(argv)
+    except SystemExit as exit:
+        return exit.code
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("--partition", "gpu\ntouch x"),
+        ("--account", "proj\ntouch x"),
+        ("--account", "a b"),
+        ("--job-name", "run\rtouch x"),
+        ("--time", "00:30:00\ntouch x"),
+        ("--nodes", "-4"),
+        ("--nodes", "1000000"),
+        ("--gpus-per-node", "0"),
+        ("--nodes", "$(touch x)"),
+    ],
+)
+def test_slurm_cli_refuses_hostile_options_in_one_line_and_writes_nothing(tmp_path, capsys, monkeypatch, option, value):
+    (tmp_path / "train.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    assert run_cli(["slurm", "train.py", option, value, "-o", "job.sbatch"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("labkit slurm: ") and err.count("\n") == 1 and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.py"]
 
 
 SRUN = """#!/bin/bash
@@ -171,3 +235,7 @@ def test_the_generated_slurm_job_trains_on_two_nodes(tmp_path):
     assert [(r["rank"], r["world"]) for r in ranks] == [(0, 2), (1, 2)]
     assert ranks[0]["params_sha256"] == ranks[1]["params_sha256"]  # one model, trained across both nodes
     assert f"labkit: {launch.placement(1, launch.visible_gpus()).reason}" in run.stdout
+
+
+def test_a_partition_may_be_a_list_slurm_picks_from():
+    assert "#SBATCH --partition=gpu,debug\n" in slurm.slurm_script(SCRIPT, partition="gpu,debug")
