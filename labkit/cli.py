@@ -10,6 +10,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 LABS_DIR = Path(__file__).resolve().parent.parent / "labs"
 
@@ -63,12 +64,16 @@ def _shards(args: argparse.Namespace) -> int:
 
     if args.documents is not None and args.documents < 1:
         raise ValueError(f"--documents must be >= 1, got {args.documents}")
+    if args.shard_tokens < 2:  # refused here, before the corpus is tokenized, rather than by write_shards after
+        raise ValueError(f"--shard-tokens must be >= 2, got {args.shard_tokens}")
     out = args.output or shards.default_dir()
     if problem := assets.write_access_problem(out):
         raise ValueError(f"{problem}; or write the shards elsewhere (labkit shards DIR) and pass --shards DIR")
+    if problem := assets.destination_problem(out, legacy=shards.is_shard_directory):  # before the corpus loads
+        raise ValueError(problem)
     texts = load_corpus("wiki", "train")[: args.documents]
     tokenizer = load_tokenizer(args.model or DEFAULT_MODEL)
-    with assets.atomic_directory(out) as tmp:  # a job never sees half the shards
+    with assets.atomic_directory(out, legacy=shards.is_shard_directory) as tmp:  # a job never sees half the shards
         paths = shards.tokenize_to_shards(texts, tokenizer, tmp, shard_tokens=args.shard_tokens)
     tokens = sum(shards.read_shard_info(out / p.name).tokens for p in paths)
     print(
@@ -169,29 +174,48 @@ def _gpu_check(args: argparse.Namespace) -> int:
     return 1 if any(s["status"] not in ("passed", "skipped") for s in report["steps"]) else 0
 
 
-def _execute(args: argparse.Namespace) -> int:
-    from nbclient.exceptions import CellExecutionError
+def _say(text: str) -> None:
+    """Print a line now; once the reader has gone (`| head -1`), print nothing more but let the command go on."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        _silence_stdout()
 
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null: the reader of its pipe has gone, and later prints (Python's own flush at exit
+    among them) must not fail."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def _execute(args: argparse.Namespace) -> int:
     from labkit import profiles
-    from labkit.execute import execute
+    from labkit.execute import check_options, execute
 
     notebooks = args.notebooks or sorted(LABS_DIR.glob("[0-9][0-9]_*.ipynb"))
+    if not notebooks:
+        raise FileNotFoundError(f"no labs in {LABS_DIR}: name the notebooks to run")
     profile = args.profile or profiles.get_profile().name  # $LABKIT_PROFILE, else auto-detected
-    failed = []
-    for path in notebooks:
+    check_options(profile, args.timeout)
+    written, failed = [], []
+    for path in notebooks:  # every notebook runs, whatever happened to the one before or to stdout
         start = time.perf_counter()
-        print(f"{Path(path).name}: running under profile {profile!r} ...", flush=True)
+        _say(f"{Path(path).name}: running under profile {profile!r} ...")
         try:
             dropped = execute(path, profile, timeout=args.timeout)
-        except CellExecutionError as err:
+        except (ValueError, OSError, RuntimeError) as err:  # missing, malformed, or its run stopped short
             failed.append(Path(path).name)
-            print(str(err).strip().splitlines()[-1])
+            print(f"labkit execute: {_one_line(err)}", file=sys.stderr, flush=True)
             continue
-        print(f"{Path(path).name}: written back after {time.perf_counter() - start:.0f} s", flush=True)
+        written.append(Path(path).name)
+        _say(f"{Path(path).name}: written back after {time.perf_counter() - start:.0f} s")
         for line in dropped:
-            print(f"  dropped {line}")
+            _say(f"  dropped {line}")
+    _say(f"written back: {', '.join(written) or 'none'}")
     if failed:
-        print(f"failed (left as they were): {', '.join(failed)}")
+        _say(f"failed (left as they were): {', '.join(failed)}")
     return 1 if failed else 0
 
 
@@ -217,9 +241,17 @@ def _student(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line, `labkit <command>: <reason>`, like every other error of the command."""
+
+    def error(self, message: str) -> NoReturn:
+        """Exit with status 2 and the reason on one line, pointing to --help instead of printing the usage."""
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `labkit` command."""
-    parser = argparse.ArgumentParser(prog="labkit", description=__doc__)
+    parser = _Parser(prog="labkit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("doctor", help="report the machine, GPUs, precisions and offline assets")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -318,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv[:cut])
     after = argv[cut + 1 :]
     if (extra or after) and args.command not in ("lab", "slurm"):
-        parser.error(f"unrecognized arguments: {' '.join(extra + after)}")
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra + after)}")
     # JupyterLab takes its options with or without `--`; a job script's go after `--`, so that a typo in
     # labkit's own options (--gpu-per-node) is refused instead of passed on to the script.
     args.unknown = extra if args.command == "slurm" else []
@@ -328,14 +360,25 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # here, where a closed pipe can still be handled
         return code
     except BrokenPipeError:  # `labkit profile gpu | head -1`: the reader had enough, which is no error
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's own flush at exit must not fail
+        _silence_stdout()
         return 0
     except KeyboardInterrupt:
         print(f"labkit {args.command}: interrupted", file=sys.stderr)
         return 130
-    except (ValueError, TypeError, OSError, RuntimeError) as err:  # bad input, files, assets: one line, no traceback
+    except _input_errors() as err:  # bad input, files, assets: one line, no traceback
         print(f"labkit {args.command}: {_one_line(err)}", file=sys.stderr)
         return 2
+
+
+def _input_errors() -> tuple[type[BaseException], ...]:
+    """What bad input or files raise: Python's own kinds, and the libraries' that are none of them (safetensors'
+    SafetensorError, nbformat's ValidationError), looked up only where the command imported the library."""
+    errors: list[type[BaseException]] = [ValueError, TypeError, OSError, RuntimeError]
+    if "safetensors" in sys.modules:
+        errors.append(sys.modules["safetensors"].SafetensorError)
+    if "nbformat" in sys.modules:
+        errors.append(sys.modules["nbformat"].ValidationError)
+    return tuple(errors)
 
 
 def _one_line(err: BaseException) -> str:

@@ -8,6 +8,7 @@ its partial run goes to `failed_dir` for reading, and the committed notebook sta
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tempfile
@@ -15,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from labkit import assets, env, profiles
+from labkit import assets, profiles
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 # what a cell's last expression leaves when it is a plotting call: `[<matplotlib.lines.Line2D at 0x…>]`, `<Axes: …>`
@@ -102,40 +103,120 @@ def problems(nb: Any) -> list[str]:
     return found
 
 
+class ExecutionFailed(RuntimeError):
+    """A notebook's run stopped short: a cell raised or ran past its time-out, or the kernel died. The message says
+    which cell and where the partial run was kept; nbclient's error is its __cause__."""
+
+
+def _shape_problem(data: Any) -> str | None:
+    """What keeps parsed JSON from being a notebook in format 4 before nbformat's schema can say it, or None: nbformat
+    itself answers these with an AttributeError, a TypeError or an ImportError."""
+    if not isinstance(data, dict):
+        return f"the JSON is of type {type(data).__name__}, not an object"
+    if data.get("nbformat") != 4:
+        return f"its nbformat is {data['nbformat']!r}, not 4" if "nbformat" in data else "it has no nbformat field"
+    cells = data.get("cells")
+    if not isinstance(cells, list):
+        return "it has no cells field" if cells is None else f"its cells are of type {type(cells).__name__}, not a list"
+    odd = next((i for i, c in enumerate(cells) if not isinstance(c, dict)), None)
+    return None if odd is None else f"cell {odd} is of type {type(cells[odd]).__name__}, not an object"
+
+
+def read_notebook(path: str | Path) -> Any:
+    """The notebook at `path`, read and checked whole before anything acts on it: a malformed one raises ValueError
+    naming the path and what is wrong (a missing or unreadable file, the OSError)."""
+    import nbformat
+
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as err:  # UnicodeDecodeError, JSONDecodeError
+        raise ValueError(f"{path} is not a notebook: it is not UTF-8 JSON ({err})") from None
+    if problem := _shape_problem(data):
+        raise ValueError(f"{path} is not a notebook: {problem}")
+    try:
+        nbformat.validate(nbformat.from_dict(data))
+    except nbformat.ValidationError as err:
+        where = "/".join(map(str, err.absolute_path)) or "the top level"
+        raise ValueError(f"{path} is not a valid notebook: {err.message} (at {where})") from None
+    return nbformat.v4.to_notebook_json(data)  # as nbformat.read gives it: sources joined, transient fields dropped
+
+
+def check_options(profile: str, timeout: int | None) -> None:
+    """Refuse a profile or a time-out that `execute` cannot run with, naming the argument, before anything runs."""
+    if not isinstance(profile, str):
+        raise TypeError(f"profile must be a str, one of {', '.join(profiles.PROFILES)}; got {profile!r}")
+    if profile not in profiles.PROFILES:
+        raise ValueError(f"unknown profile {profile!r}; choose from {', '.join(profiles.PROFILES)}")
+    if timeout is not None and (not isinstance(timeout, int) or isinstance(timeout, bool)):
+        raise TypeError(f"timeout must be an int of seconds >= 1 or None, got {timeout!r}")
+    if timeout is not None and timeout < 1:
+        raise ValueError(f"timeout must be an int of seconds >= 1 or None, got {timeout!r}")
+
+
+def _why_stopped(err: Exception, cell: int | str, timeout: int | None) -> str:
+    """One line on why a run stopped, from nbclient's error and the index of the cell that was running."""
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+
+    if isinstance(err, CellExecutionError):
+        return f"cell {cell} raised {err.ename}: {' '.join(str(err.evalue).split())}"
+    if isinstance(err, CellTimeoutError):
+        return f"cell {cell} ran past the {timeout} s time-out"
+    if isinstance(err, DeadKernelError):
+        return f"the kernel died in cell {cell}"
+    return f"the kernel failed ({' '.join(str(err).split())})"  # e.g. it died while starting
+
+
 def execute(
     path: str | Path, profile: str, *, timeout: int | None = None, failed_dir: str | Path = "build/execute"
 ) -> list[str]:
     """Execute the notebook at `path` under `profile` in a fresh kernel, tidy it, record the fingerprint, and
-    write it back atomically; returns what `tidy` dropped. A failing cell raises, and leaves `path` untouched."""
+    write it back atomically; returns what `tidy` dropped. A run that stops short (a cell raises or times out, the
+    kernel dies or fails to start) raises ExecutionFailed, with its partial run and the kernel's log put in
+    `failed_dir`, and leaves `path` untouched; so does a missing (OSError) or malformed (ValueError) notebook,
+    checked before any kernel starts."""
     import nbformat
     from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError
 
+    from labkit import env  # imports torch: only a run needs it, not read_notebook (the student build)
+
+    check_options(profile, timeout)
     path = Path(path)
-    if profile not in profiles.PROFILES:
-        raise ValueError(f"unknown profile {profile!r}; choose from {', '.join(profiles.PROFILES)}")
-    if timeout is not None and timeout <= 0:
-        raise ValueError(f"timeout must be positive seconds or None, got {timeout!r}")
-    nb = nbformat.read(path, as_version=4)
+    nb = read_notebook(path)
     for cell in nb.cells:
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
+    started: list[int] = []  # each cell's index as it starts: the last one is where a run stopped
     with tempfile.TemporaryDirectory() as ipython_dir:
         startup = Path(ipython_dir) / "profile_default" / "startup"
         startup.mkdir(parents=True)
         (startup / "00-text-progress.py").write_text(_TEXT_PROGRESS)
         kernel_env = {**os.environ, profiles.ENV_VAR: profile, "IPYTHONDIR": ipython_dir}
         resources = {"metadata": {"path": path.parent}}  # the kernel runs in the notebook's folder
-        client = NotebookClient(nb, timeout=timeout, kernel_name="python3", resources=resources)
+        client = NotebookClient(
+            nb,
+            timeout=timeout,
+            kernel_name="python3",
+            resources=resources,
+            on_cell_start=lambda cell, cell_index: started.append(cell_index),
+        )
+        log = Path(ipython_dir) / "kernel.log"
         start = time.perf_counter()
-        try:
-            client.execute(env=kernel_env)
-        except CellExecutionError:
-            partial = Path(failed_dir) / path.name
-            partial.parent.mkdir(parents=True, exist_ok=True)
-            assets.atomic_write_text(partial, nbformat.writes(nb))
-            print(f"{path.name} failed under profile {profile!r}; the partial run is in {partial}, {path} is unchanged")
-            raise
+        # the kernel's own output (its log, a traceback when it is shut down mid-cell), not the cells': to a file
+        with log.open("w", encoding="utf-8") as kernel_output:
+            try:
+                client.execute(env=kernel_env, stdout=kernel_output, stderr=kernel_output)
+            except (CellExecutionError, CellTimeoutError, RuntimeError) as err:  # RuntimeError: a dead kernel
+                partial = Path(failed_dir) / path.name
+                partial.parent.mkdir(parents=True, exist_ok=True)
+                assets.atomic_write_text(partial, nbformat.writes(nb))
+                assets.atomic_write_bytes(partial.with_suffix(".kernel.log"), log.read_bytes())
+                why = _why_stopped(err, started[-1] if started else "?", timeout)
+                raise ExecutionFailed(
+                    f"{path}: {why} under profile {profile!r}; the partial run is in {partial} (the kernel's log "
+                    f"beside it), {path.name} is unchanged"
+                ) from err
     dropped = tidy(nb)
     seconds = round(time.perf_counter() - start, 1)  # kernel start to last cell: the lab's time for the guide
     nb.metadata["labkit"] = {"executed": {**env.fingerprint(profile), "seconds": seconds}}

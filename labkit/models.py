@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -91,9 +92,36 @@ def load_model(
     return model.eval(), tokenizer
 
 
+# What save_pretrained writes for a model and its tokenizer (and save_gptq beside them): the names by which a directory
+# saved before labkit marked what it writes is recognised as a saved model that saving again may replace.
+SAVED_MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "model-*-of-*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "quantize_config.json",
+)
+
+
+def is_saved_model(path: str | Path) -> bool:
+    """Whether `path` holds a saved model and nothing else (see SAVED_MODEL_FILES): the `legacy` of
+    assets.atomic_directory for model writers, so that re-running a lab replaces what an older labkit saved."""
+    names = [p.name for p in Path(path).iterdir()]
+    return "config.json" in names and all(any(fnmatch.fnmatchcase(n, f) for f in SAVED_MODEL_FILES) for n in names)
+
+
 def save_model(model: nn.Module, tokenizer: PreTrainedTokenizerBase, dest: str | Path) -> Path:
-    """save_pretrained (safetensors) model and tokenizer into `dest` atomically: load_model(dest) reloads it."""
-    with assets.atomic_directory(dest) as tmp, _no_progress_bar():
+    """save_pretrained (safetensors) model and tokenizer into `dest` atomically: load_model(dest) reloads it. `dest`
+    must be new, empty or a model labkit saved (assets.atomic_directory refuses anything else)."""
+    with assets.atomic_directory(dest, legacy=is_saved_model) as tmp, _no_progress_bar():
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     return Path(dest)

@@ -133,6 +133,19 @@ def write_shards(
     ]
 
 
+def is_shard_directory(path: str | Path) -> bool:
+    """Whether `path` holds labkit shards and nothing else: a corpus `labkit shards` wrote before labkit marked the
+    directories it writes, which writing the corpus again may replace (the `legacy` of assets.atomic_directory)."""
+    entries = list(Path(path).iterdir())
+    if not all(p.is_file() and p.suffix in (".bin", ".json") for p in entries):
+        return False
+    try:
+        sidecars = [read_shard_info(p) for p in entries if p.suffix == ".json"]
+    except ValueError:
+        return False
+    return bool(sidecars)
+
+
 def default_dir() -> Path:
     """Where `labkit shards` writes the training corpus and ddp_train.py reads it: in the (shared) cache."""
     return cache_dir() / "shards" / "wiki-smollm2"

@@ -19,6 +19,7 @@ import hashlib
 import json
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 from labkit import assets
@@ -27,6 +28,7 @@ BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
 STUB = 'raise NotImplementedError("exercise: write this part, then run the check below")'
 HIDDEN = "solution-only"  # a cell tag: left out of the student build
 MANIFEST = ".labkit-workspace.json"  # what `workspace` wrote, to tell a student's edits from the course's
+RUN_OUTPUTS = {"results", "runs", "logs", ".ipynb_checkpoints"}  # what running the labs writes beside them
 
 
 def strip_solutions(source: str, where: str = "cell") -> tuple[str, int]:
@@ -54,9 +56,9 @@ def strip_solutions(source: str, where: str = "cell") -> tuple[str, int]:
 def student_notebook(path: str | Path, keep_outputs: bool = False) -> tuple[dict, int]:
     """A lab notebook as students get it: solutions stubbed, `solution-only` cells dropped, outputs and
     execution counts cleared (kept with keep_outputs, for the suite's nbval run of the student build)."""
-    import nbformat  # the dev extra's: only the student build needs it
+    from labkit.execute import read_notebook  # a malformed lab: ValueError naming the file and what is wrong
 
-    nb = nbformat.read(str(path), as_version=4)
+    nb = read_notebook(path)
     total, cells = 0, []
     for index, cell in enumerate(nb.cells):
         if HIDDEN in cell.metadata.get("tags", []):
@@ -92,12 +94,23 @@ def _copy_scripts(labs: str | Path, dest: str | Path) -> None:
         )
 
 
+def _earlier_build(dest: Path, names: set[str]) -> bool:
+    """Whether `dest` is a student build from before labkit marked what it writes (`make test` rewrites
+    build/test-labs on every run): nothing but notebooks named in `names` without a solution in them, scripts/,
+    and what running them writes (RUN_OUTPUTS). A copy of the labs, solutions and all, is not."""
+    entries = list(dest.iterdir())
+    return all(p.name in names | {"scripts"} | RUN_OUTPUTS for p in entries) and not any(
+        p.suffix == ".ipynb" and BEGIN in p.read_text(errors="replace") for p in entries
+    )
+
+
 def build_student(labs: str | Path, dest: str | Path, keep_outputs: bool = False) -> dict[str, int]:
-    """Write the student version of every notebook in `labs` into `dest` (atomically); returns exercises per lab."""
+    """Write the student version of every notebook in `labs` into `dest` (atomically); returns exercises per lab.
+    `dest` must be new, empty or an earlier build: never `labs`, a folder holding it, or anyone's other files."""
     import nbformat  # the dev extra's: only the student build needs it
 
     built = {path.name: student_notebook(path, keep_outputs) for path in _notebooks(labs)}  # all checked first
-    with assets.atomic_directory(dest) as tmp:
+    with assets.atomic_directory(dest, source=labs, legacy=lambda d: _earlier_build(d, set(built))) as tmp:
         for name, (nb, _) in built.items():
             nbformat.write(nb, str(Path(tmp) / name))
         _copy_scripts(labs, tmp)
@@ -106,6 +119,27 @@ def build_student(labs: str | Path, dest: str | Path, keep_outputs: bool = False
 
 def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _read_manifest(path: Path) -> dict[str, str]:
+    """What `workspace` last wrote (notebook name -> digest), {} if nothing yet. A manifest that is not JSON of
+    that shape is a warning naming it and what is wrong, and reads as {}: every existing copy then counts as the
+    student's and is kept, so a damaged record can cost an update, never a student's work."""
+    if not path.is_file():
+        return {}
+    try:
+        written = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as err:
+        problem = f"is not JSON ({err})"
+    else:
+        if isinstance(written, dict) and all(isinstance(v, str) for v in written.values()):
+            return written
+        problem = "is not an object of notebook names and digests"
+    warnings.warn(
+        f"{path} {problem}: every existing working copy is kept as yours, and the record is written anew",
+        stacklevel=3,
+    )
+    return {}
 
 
 def workspace(labs: str | Path, dest: str | Path, solutions: bool = False) -> dict[str, str]:
@@ -117,7 +151,7 @@ def workspace(labs: str | Path, dest: str | Path, solutions: bool = False) -> di
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     manifest_path = dest / MANIFEST
-    written = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
+    written = _read_manifest(manifest_path)
     report = {}
     for path in _notebooks(labs):
         text = path.read_text() if solutions else nbformat.writes(student_notebook(path)[0])
@@ -127,6 +161,7 @@ def workspace(labs: str | Path, dest: str | Path, solutions: bool = False) -> di
             report[path.name] = "written"
         elif current == new:
             report[path.name] = "up to date"
+            written[path.name] = new
             continue
         elif current == written.get(path.name):  # the course changed, the student did not
             report[path.name] = "updated to the course's new version"

@@ -194,7 +194,13 @@ def test_atomic_writes_get_the_modes_the_umask_gives(tmp_path, mask, file_mode, 
             (d / "run.sh").chmod(0o700)
     assert f.stat().st_mode & 0o777 == file_mode
     # an executable keeps its x bits: 0o777 minus the umask, the same value as a directory's
-    assert modes(tmp_path / "d") == {".": dir_mode, "sub": dir_mode, "sub/private": file_mode, "run.sh": dir_mode}
+    assert modes(tmp_path / "d") == {
+        ".": dir_mode,
+        "sub": dir_mode,
+        "sub/private": file_mode,
+        "run.sh": dir_mode,
+        assets.OUTPUT_MARKER: file_mode,
+    }
 
 
 def _tiny_conversion(gguf, out):

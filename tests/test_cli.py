@@ -11,7 +11,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit import cli
+from labkit import assets, cli
 
 
 def test_doctor_json(capsys):
@@ -70,6 +70,9 @@ def test_shards_command_writes_the_corpus_where_ddp_train_reads_it(capsys, tmp_p
     assert sum(i.tokens for i in infos) == expected and infos[0].vocab_size == len(tokenizer)  # + one EOS per document
     assert all(i.tokens == 1000 for i in infos[:-1]) and not [p for p in written if p.name.startswith(".")]
     assert f"{len(infos)} shards, {expected:,} tokens of 20 documents" in capsys.readouterr().out
+    (tmp_path / "default" / assets.OUTPUT_MARKER).unlink()  # as a labkit before the marker left it
+    assert cli.main(["shards", "--documents", "10", "--shard-tokens", "1000"]) == 0  # its own corpus: replaced
+    assert "of 10 documents" in capsys.readouterr().out
     assert cli.main(["shards", str(tmp_path / "x"), "--documents", "0"]) == 2
     assert "--documents must be >= 1" in capsys.readouterr().err
 
@@ -119,3 +122,55 @@ def test_lab_server_answers_on_its_port(tmp_path):
     assert "00_gpu_setup.ipynb" in names  # it serves working copies of the course's labs
     served = nbformat.read(str(tmp_path / "lab" / "00_gpu_setup.ipynb"), as_version=4)
     assert not any(c.get("outputs") for c in served.cells)  # the student build, not the solved notebook
+
+
+BAD_INPUT = [  # (argv, exit status, what the one line on stderr says); {tmp} is the test's folder
+    (["slurm", "{tmp}/train.py", "--partition", "gpu\ntouch {tmp}/x"], 2, "partition may hold ASCII letters"),
+    (["slurm", "{tmp}/train.py", "--nodes", "two"], 2, "argument --nodes: invalid int value: 'two'"),
+    (["slurm", "{tmp}/missing.py"], 2, "no such script"),
+    (["execute", "--profile", "smoke", "{tmp}/missing.ipynb"], 1, "No such file or directory: {tmp}/missing.ipynb"),
+    (["execute", "--profile", "smoke", "{tmp}/list.ipynb"], 1, "list.ipynb is not a notebook: the JSON is of type"),
+    (["execute", "--profile", "smoke", "{tmp}"], 1, "Is a directory"),
+    (["execute", "--profile", "smoke", "--timeout", "0", "{tmp}/list.ipynb"], 2, "timeout must be an int of seconds"),
+    (["execute", "--timeout", "1.5", "{tmp}/list.ipynb"], 2, "argument --timeout: invalid int value: '1.5'"),
+    (["execute", "--profile", "turbo", "{tmp}/list.ipynb"], 2, "argument --profile: invalid choice: 'turbo'"),
+    (["student", "--labs", "{tmp}/missing", "-o", "{tmp}/out"], 2, "no notebooks in"),
+    (["profile", "turbo"], 2, "unknown profile 'turbo'"),
+    (["shards", "{tmp}/shards", "--documents", "0"], 2, "--documents must be >= 1"),
+    (["shards", "{tmp}/shards", "--shard-tokens", "1"], 2, "--shard-tokens must be >= 2"),
+    (["tensorboard", "--logdir", "{tmp}/missing"], 2, "no such folder"),
+    (["doctor", "--bogus"], 2, "labkit doctor: unrecognized arguments: --bogus"),
+    (["bogus"], 2, "labkit: argument command: invalid choice: 'bogus'"),
+]
+
+
+@pytest.mark.parametrize("argv, status, message", BAD_INPUT)
+def test_bad_input_is_one_line_on_stderr_and_a_non_zero_exit(tmp_path, capsys, argv, status, message):
+    (tmp_path / "train.py").write_text("")
+    (tmp_path / "list.ipynb").write_text("[]")
+    try:
+        code = cli.main([a.format(tmp=tmp_path) for a in argv])
+    except SystemExit as exit:  # argparse's own refusals
+        code = exit.code
+    err = capsys.readouterr().err
+    assert code == status and err.startswith("labkit") and err.count("\n") == 1 and "Traceback" not in err
+    assert message.format(tmp=tmp_path) in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["list.ipynb", "train.py"]  # nothing written
+
+
+@pytest.mark.parametrize("library", ["safetensors", "nbformat"])
+def test_a_library_error_that_is_no_oserror_is_one_line_too(capsys, monkeypatch, library):
+    """safetensors' SafetensorError and nbformat's ValidationError are neither OSError nor ValueError."""
+    import nbformat
+    import safetensors
+
+    from labkit import profiles
+
+    error = {"safetensors": safetensors.SafetensorError, "nbformat": nbformat.ValidationError}[library]
+
+    def broken(name):
+        raise error("header too large\n(and a second line)")
+
+    monkeypatch.setattr(profiles, "get_profile", broken)
+    assert cli.main(["profile", "smoke"]) == 2
+    assert capsys.readouterr().err == "labkit profile: header too large (and a second line)\n"

@@ -3,6 +3,12 @@ their last text frame, no widget state or stray plotting reprs — and a failing
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import nbformat
 import pytest
 from nbclient.exceptions import CellExecutionError
@@ -100,34 +106,122 @@ def test_problems_names_each_way_a_saved_notebook_falls_short():
 def test_a_failing_lab_is_left_as_it_was_and_its_partial_run_kept(tmp_path):
     path = tmp_path / "98_broken.ipynb"
     before = write_lab(path, ["print('first')", "raise RuntimeError('cell two broke')", "print('never')"])
-    with pytest.raises(CellExecutionError, match="cell two broke"):
+    with pytest.raises(execute.ExecutionFailed, match="cell 1 raised RuntimeError: cell two broke") as failed:
         execute.execute(path, "smoke", timeout=120, failed_dir=tmp_path / "failed")
+    assert isinstance(failed.value.__cause__, CellExecutionError)
     assert path.read_text() == before
     partial = nbformat.read(str(tmp_path / "failed" / path.name), as_version=4)
     assert partial.cells[0].outputs[0].text == "first\n" and partial.cells[2].execution_count is None
 
 
 @pytest.mark.parametrize(
-    "kwargs, match", [({"profile": "laptop"}, "unknown profile 'laptop'"), ({"timeout": 0}, "timeout must be")]
+    "kwargs, error, match",
+    [
+        ({"profile": "laptop"}, ValueError, "unknown profile 'laptop'"),
+        ({"profile": None}, TypeError, "profile must be a str"),
+        ({"timeout": 0}, ValueError, "timeout must be an int of seconds >= 1 or None, got 0"),
+        ({"timeout": "10"}, TypeError, "timeout must be an int of seconds >= 1 or None, got '10'"),
+        ({"timeout": 1.5}, TypeError, "timeout must be an int of seconds >= 1 or None, got 1.5"),
+        ({"timeout": True}, TypeError, "timeout must be an int of seconds >= 1 or None, got True"),
+    ],
 )
-def test_bad_arguments_are_refused_before_anything_runs(tmp_path, kwargs, match):
+def test_bad_arguments_are_refused_before_anything_runs(tmp_path, kwargs, error, match):
     path = tmp_path / "97_lab.ipynb"
     before = write_lab(path, ["print(1)"])
-    with pytest.raises(ValueError, match=match):
-        execute.execute(path, **{"profile": "smoke", **kwargs})
-    assert path.read_text() == before
+    with pytest.raises(error, match=match):
+        execute.execute(path, **{"profile": "smoke", "failed_dir": tmp_path / "failed", **kwargs})
+    assert path.read_text() == before and not (tmp_path / "failed").exists()
 
 
-def test_the_command_goes_on_after_a_failing_lab_and_exits_non_zero(tmp_path, capsys, monkeypatch):
+CELL = {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None, "source": "1"}
+MALFORMED = [
+    ("[]", "the JSON is of type list, not an object"),
+    ('{"cells": 3}', "it has no nbformat field"),
+    ("not json", "it is not UTF-8 JSON"),
+    ('{"nbformat": 3, "cells": []}', "its nbformat is 3, not 4"),
+    ('{"nbformat": 4, "nbformat_minor": 4, "metadata": {}, "cells": 3}', "its cells are of type int, not a list"),
+    ('{"nbformat": 4, "nbformat_minor": 4, "metadata": {}, "cells": [7]}', "cell 0 is of type int, not an object"),
+    ('{"nbformat": 4, "nbformat_minor": 4, "cells": []}', "'metadata' is a required property (at the top level)"),
+    (json.dumps({"nbformat": 4, "nbformat_minor": 4, "metadata": {}, "cells": [{**CELL, "source": 5}]}), "at cells/0"),
+]
+
+
+@pytest.mark.parametrize("text, problem", MALFORMED)
+def test_a_malformed_notebook_is_named_with_what_is_wrong(tmp_path, text, problem):
+    path = tmp_path / "bad.ipynb"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="bad.ipynb is not a (valid )?notebook: ") as refused:
+        execute.read_notebook(path)
+    assert problem in str(refused.value)
+    with pytest.raises(ValueError, match="bad.ipynb"):  # before any kernel starts, changing nothing
+        execute.execute(path, "smoke", failed_dir=tmp_path / "failed")
+    assert path.read_text() == text and not (tmp_path / "failed").exists()
+
+
+def test_read_notebook_reads_every_lab():
+    labs = sorted((Path(__file__).parents[1] / "labs").glob("*.ipynb"))
+    assert len(labs) >= 10 and all(execute.read_notebook(p).cells for p in labs)
+
+
+def test_the_command_runs_every_notebook_and_reports_each_one_that_stops_short(tmp_path, capfd, monkeypatch):
+    """A cell that raises, one past the time-out, one that kills its kernel, a missing and a malformed notebook:
+    each is one line on stderr (no traceback, not even the kernel's), the partial runs are kept, the fine notebook
+    after them all is written, and the summary and the exit status say so."""
     from labkit import cli
 
-    monkeypatch.chdir(tmp_path)  # the failed run goes to ./build/execute
-    broken, fine = tmp_path / "01_broken.ipynb", tmp_path / "02_fine.ipynb"
-    before = write_lab(broken, ["1 / 0"])
-    write_lab(fine, ["print('ran')"])
-    assert cli.main(["execute", "--profile", "smoke", "--timeout", "120", str(broken), str(fine)]) == 1
-    out = capsys.readouterr().out
-    assert "ZeroDivisionError" in out and "02_fine.ipynb: written back" in out
-    assert "failed (left as they were): 01_broken.ipynb" in out
-    assert broken.read_text() == before and (tmp_path / "build" / "execute" / broken.name).is_file()
-    assert nbformat.read(str(fine), as_version=4).cells[0].outputs[0].text == "ran\n"
+    monkeypatch.chdir(tmp_path)  # the failed runs go to ./build/execute
+    runs = {
+        "01_raises.ipynb": ["print('before')", "1 / 0"],
+        "02_sleeps.ipynb": ["print('before')", "import time\ntime.sleep(60)", "print('never')"],
+        "03_kills.ipynb": ["print('before')", "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)"],
+    }
+    before = {name: write_lab(tmp_path / name, cells) for name, cells in runs.items()}
+    (tmp_path / "05_malformed.ipynb").write_text("[]")
+    write_lab(tmp_path / "06_fine.ipynb", ["print('ran')"])
+    names = [*runs, "04_missing.ipynb", "05_malformed.ipynb", "06_fine.ipynb"]
+    assert cli.main(["execute", "--profile", "smoke", "--timeout", "2", *names]) == 1
+    out, err = capfd.readouterr()
+    assert err.splitlines() == [
+        "labkit execute: 01_raises.ipynb: cell 1 raised ZeroDivisionError: division by zero under profile 'smoke'; the "
+        "partial run is in build/execute/01_raises.ipynb (the kernel's log beside it), 01_raises.ipynb is unchanged",
+        "labkit execute: 02_sleeps.ipynb: cell 1 ran past the 2 s time-out under profile 'smoke'; the partial run is "
+        "in build/execute/02_sleeps.ipynb (the kernel's log beside it), 02_sleeps.ipynb is unchanged",
+        "labkit execute: 03_kills.ipynb: the kernel died in cell 1 under profile 'smoke'; the partial run is in "
+        "build/execute/03_kills.ipynb (the kernel's log beside it), 03_kills.ipynb is unchanged",
+        "labkit execute: No such file or directory: 04_missing.ipynb",
+        "labkit execute: 05_malformed.ipynb is not a notebook: the JSON is of type list, not an object",
+    ]
+    assert "06_fine.ipynb: written back" in out and out.endswith(
+        "written back: 06_fine.ipynb\nfailed (left as they were): " + ", ".join(names[:5]) + "\n"
+    )
+    for name in runs:
+        assert (tmp_path / name).read_text() == before[name]
+        partial = nbformat.read(str(tmp_path / "build" / "execute" / name), as_version=4)
+        assert partial.cells[0].outputs[0].text == "before\n"
+        assert (tmp_path / "build" / "execute" / name).with_suffix(".kernel.log").is_file()
+    assert nbformat.read(str(tmp_path / "06_fine.ipynb"), as_version=4).cells[0].outputs[0].text == "ran\n"
+
+
+def test_a_closed_output_pipe_does_not_stop_the_command(tmp_path):
+    """`labkit execute a b | head -1`, made certain: stdout is a pipe whose reader has already gone. Every notebook
+    still runs, and the exit status says whether all were written."""
+    write_lab(tmp_path / "a.ipynb", ["print('a ran')"])
+    (tmp_path / "bad.ipynb").write_text('{"cells": 3}')
+    write_lab(tmp_path / "b.ipynb", ["print('b ran')"])
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "labkit", "execute", "--profile", "smoke", "a.ipynb", "bad.ipynb", "b.ipynb"],
+            cwd=tmp_path,
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        os.close(write)
+    assert done.returncode == 1
+    assert done.stderr == "labkit execute: bad.ipynb is not a notebook: it has no nbformat field\n"
+    for name in ("a", "b"):
+        assert nbformat.read(str(tmp_path / f"{name}.ipynb"), as_version=4).cells[0].outputs[0].text == f"{name} ran\n"

@@ -135,16 +135,20 @@ def test_llama_shape_rejects_shapes_it_cannot_split_into_heads(args, match):
         models.llama_shape(*args)
 
 
-@pytest.mark.parametrize("mask, file_mode, dir_mode", UMASK_CASES)
-def test_saved_models_get_the_modes_the_umask_gives(tmp_path, mask, file_mode, dir_mode):
+def _word_tokenizer():
     from tokenizers import Tokenizer
     from tokenizers import models as tmodels
     from transformers import PreTrainedTokenizerFast
 
     vocab = {f"t{i}": i for i in range(512)} | {"<unk>": 0}
-    tok = PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(tmodels.WordLevel(vocab, unk_token="<unk>")), eos_token="t1"
     )
+
+
+@pytest.mark.parametrize("mask, file_mode, dir_mode", UMASK_CASES)
+def test_saved_models_get_the_modes_the_umask_gives(tmp_path, mask, file_mode, dir_mode):
+    tok = _word_tokenizer()
     with umask(mask):
         dest = models.save_model(models.tiny_llama(), tok, tmp_path / "m")
     found = modes(dest)
@@ -180,3 +184,22 @@ def test_load_model_names_a_bad_device_before_loading(monkeypatch):
     monkeypatch.setattr(models, "resolve_model", lambda name: "/nonexistent-so-loading-would-fail")
     with pytest.raises(ValueError, match=r"device must be a torch device .* got 'gpu0'"):
         models.load_model("anything", device="gpu0")
+
+
+def test_saving_again_replaces_a_model_an_older_labkit_saved_and_nothing_else(tmp_path):
+    """Re-running lab 06 or 07 saves where an older labkit saved without its marker: that model is replaced; a
+    folder that also holds someone's notes is refused, with everything in it left as it was."""
+    from labkit import assets
+
+    tok, dest = _word_tokenizer(), tmp_path / "m"
+    models.save_model(models.tiny_llama(), tok, dest)
+    (dest / assets.OUTPUT_MARKER).unlink()
+    assert models.is_saved_model(dest)
+    models.save_model(models.tiny_llama(), tok, dest)  # no error: its own earlier save
+    (dest / assets.OUTPUT_MARKER).unlink()
+    (dest / "notes.txt").write_text("mine")
+    before = sorted(p.name for p in dest.iterdir())
+    assert not models.is_saved_model(dest)
+    with pytest.raises(FileExistsError, match="holds files labkit did not write"):
+        models.save_model(models.tiny_llama(), tok, dest)
+    assert sorted(p.name for p in dest.iterdir()) == before and (dest / "notes.txt").read_text() == "mine"

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from labkit import shards
-from tests.permissions import UMASK_CASES, modes, umask
+from labkit import assets, shards
+from tests.permissions import UMASK_CASES, modes, snapshot, umask
 
 
 @pytest.mark.parametrize("vocab, dtype", [(300, "uint16"), (65536, "uint16"), (70000, "uint32")])
@@ -167,3 +167,41 @@ def test_a_sample_delay_slows_each_block_and_changes_nothing_else(shard_set):
     assert all(torch.equal(a, b) for a, b in zip(plain, slow))
     with pytest.raises(ValueError, match="sample_delay"):
         shards.make_loader(shard_set, 16, 4, sample_delay=-1)
+
+
+def test_labkit_shards_refuses_a_folder_of_other_files(tmp_path, monkeypatch, capsys):
+    from labkit import cli, data, models
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("my notes")
+    monkeypatch.setattr(data, "load_corpus", lambda *args: ["a document"])  # the refusal comes before any of it
+    monkeypatch.setattr(models, "load_tokenizer", lambda *args: None)
+    before = snapshot(tmp_path)
+    assert cli.main(["shards", str(notes), "--documents", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"labkit shards: {notes} holds files labkit did not write (todo.txt)")
+    assert snapshot(tmp_path) == before and (notes / "todo.txt").read_text() == "my notes"
+
+
+def _old_corpus(d):
+    shards.write_shards(np.arange(10) % 300, d, 4, vocab_size=300, tokenizer="t")
+
+
+# what a directory holds -> whether it is a corpus `labkit shards` wrote (before directories were marked)
+SHARD_DIRECTORIES = [
+    pytest.param(_old_corpus, True, id="shards"),
+    pytest.param(lambda d: (_old_corpus(d), (d / "notes.txt").write_text("x")), False, id="shards-and-notes"),
+    pytest.param(lambda d: (_old_corpus(d), (d / "x.json").write_text("{}")), False, id="shards-and-other-json"),
+    pytest.param(lambda d: (d / "data.bin").write_bytes(b"x"), False, id="a-bin-file-alone"),
+    pytest.param(lambda d: (_old_corpus(d), (d / "sub").mkdir()), False, id="shards-and-a-folder"),
+]
+
+
+@pytest.mark.parametrize("setup, corpus", SHARD_DIRECTORIES)
+def test_a_corpus_written_before_directories_were_marked_may_be_replaced(tmp_path, setup, corpus):
+    dest = tmp_path / "corpus"
+    dest.mkdir()
+    setup(dest)
+    assert shards.is_shard_directory(dest) == corpus
+    assert (assets.destination_problem(dest, legacy=shards.is_shard_directory) is None) == corpus

@@ -76,7 +76,7 @@ def test_a_failed_build_leaves_the_previous_one(tmp_path):
     )
     with pytest.raises(ValueError, match="b.ipynb, cell 0"):
         student.build_student(good, tmp_path / "out")
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["a.ipynb"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["a.ipynb", "labkit-output.txt"]
 
 
 def _exercises(path: Path) -> list[tuple[str, str]]:
@@ -154,3 +154,31 @@ def test_the_solution_workspace_copies_the_notebooks_as_committed(tmp_path):
     labs = _lab(tmp_path, [nbformat.v4.new_code_cell(SOLVED, outputs=[nbformat.v4.new_output("stream", text="x")])])
     assert student.workspace(labs, tmp_path / "work", solutions=True) == {"a.ipynb": "written"}
     assert (tmp_path / "work" / "a.ipynb").read_text() == (labs / "a.ipynb").read_text()
+
+
+@pytest.mark.parametrize(
+    "damaged, problem",
+    [
+        (b"{not json", "is not JSON"),
+        (b"\xff\xfe", "is not JSON"),
+        (b"[]", "is not an object of notebook names and digests"),
+        (b'{"a.ipynb": 5}', "is not an object of notebook names and digests"),
+    ],
+    ids=["not-json", "not-utf8", "a-list", "a-number-for-a-digest"],
+)
+def test_a_damaged_workspace_record_keeps_every_copy_and_says_so(tmp_path, damaged, problem):
+    labs = _lab(tmp_path, [nbformat.v4.new_code_cell(SOLVED)])
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("b")]), str(labs / "b.ipynb"))
+    work = tmp_path / "work"
+    student.workspace(labs, work)
+    mine = (work / "a.ipynb").read_text().replace("raise NotImplementedError", "return tuple(word)  #")
+    (work / "a.ipynb").write_text(mine)
+    record = work / student.MANIFEST
+    record.write_bytes(damaged)
+    _lab(tmp_path, [nbformat.v4.new_code_cell(SOLVED), nbformat.v4.new_markdown_cell("new section")])
+    with pytest.warns(UserWarning, match=re.escape(f"{record} {problem}") + ".*kept as yours"):
+        report = student.workspace(labs, work)
+    assert report["a.ipynb"].startswith("kept as you left it") and report["b.ipynb"] == "up to date"
+    assert (work / "a.ipynb").read_text() == mine
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("b2")]), str(labs / "b.ipynb"))
+    assert student.workspace(labs, work)["b.ipynb"] == "updated to the course's new version"  # the record is whole
