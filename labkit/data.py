@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import warnings
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from labkit.assets import WIKI_SUMMARIES
+from labkit.torchutil import is_int
 
 SPLITS = ("train", "validation", "test", "all")
 # Share of documents per split; a document's split depends only on its title, so adding or
@@ -41,6 +42,8 @@ class Document:
 
 def split_of(title: str) -> str:
     """The split a document belongs to, from a hash of its title (stable across machines)."""
+    if not isinstance(title, str):
+        raise TypeError(f"title must be a str, got {title!r}")
     bucket = int.from_bytes(hashlib.sha256(title.encode("utf-8")).digest()[:8], "big") / 2**64
     if bucket < SPLIT_FRACTIONS["train"]:
         return "train"
@@ -96,6 +99,8 @@ def load_documents(name: str = "wiki", split: str = "train") -> list[Document]:
     if name == "wiki":
         docs = _wiki_documents(WIKI_SUMMARIES.path())
     else:
+        if not isinstance(name, (str, os.PathLike)):
+            raise TypeError(f"name must be 'wiki' or a path to a .txt/.jsonl file, got {name!r}")
         path = Path(name).expanduser()
         if not path.is_file():
             raise FileNotFoundError(
@@ -105,12 +110,11 @@ def load_documents(name: str = "wiki", split: str = "train") -> list[Document]:
         if not docs:
             raise ValueError(f"{path} holds no documents (it is empty or only whitespace)")
     chosen = [d for d in docs if split == "all" or split_of(d.title) == split]
-    if not chosen:
-        warnings.warn(
+    if not chosen:  # no caller can use an empty split: a tokenizer, perplexity or calibration would fail on it later
+        raise ValueError(
             f"the {split!r} split of {name} is empty: its {len(docs)} document(s) all hash into other splits "
             f"({', '.join(f'{k} {v:.0%}' for k, v in SPLIT_FRACTIONS.items())} by title); "
-            "use split='all' for a corpus this small",
-            stacklevel=2,
+            "use split='all' for a corpus this small"
         )
     return chosen
 
@@ -125,6 +129,8 @@ def load_corpus(name: str = "wiki", split: str = "train") -> list[str]:
 
 def encode_texts(tokenizer, texts: Iterable[str]) -> list[list[int]]:
     """Token ids per document, from a labkit BPETokenizer or a transformers tokenizer (no special tokens)."""
+    if isinstance(texts, str):
+        raise TypeError("texts must be an iterable of texts, got one str: pass [text]")
     if hasattr(tokenizer, "special_ids"):  # labkit's BPETokenizer (lab 01), duck-typed as tokenize_to_shards does
         return [tokenizer.encode(t) for t in texts]
     return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
@@ -147,6 +153,8 @@ def concat_with_separator(docs: Sequence[Sequence[int]], eos_id: int) -> np.ndar
 
 def pack_blocks(stream: np.ndarray, block_size: int) -> np.ndarray:
     """Cut a token stream into full blocks of block_size (the tail that does not fill a block is dropped)."""
+    if not is_int(block_size) and not isinstance(block_size, np.integer):
+        raise TypeError(f"block_size must be an int, got {block_size!r}")
     if block_size < 1:
         raise ValueError(f"block_size must be positive, got {block_size}")
     n = len(stream) // block_size
@@ -163,8 +171,10 @@ def pad_batch(docs: Sequence[Sequence[int]], pad_id: int, max_length: int | None
     """
     if not docs or any(len(d) == 0 for d in docs):
         raise ValueError("pad_batch needs at least one document, and no empty ones")
-    if max_length is not None and (not isinstance(max_length, int) or max_length < 1):
+    if max_length is not None and (not is_int(max_length) or max_length < 1):
         raise ValueError(f"max_length must be None or an int >= 1, got {max_length!r}")
+    if not isinstance(pad_id, (int, np.integer)) or isinstance(pad_id, bool) or pad_id < 0:
+        raise TypeError(f"pad_id must be a token id (an int >= 0), got {pad_id!r}")
     length = max(len(d) for d in docs) if max_length is None else max_length
     ids = torch.full((len(docs), length), pad_id, dtype=torch.long)
     mask = torch.zeros((len(docs), length), dtype=torch.long)

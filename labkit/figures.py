@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from labkit import assets, results
+from labkit.torchutil import as_path, check_int, is_number
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = {  # file -> its template; the rendering replaces the lines between the file's markers
@@ -57,8 +58,16 @@ class Source:
     machine: str
 
 
+def _real(value: Any) -> bool:
+    """An int or float (inf and nan included), not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def significant(value: float, digits: int) -> str:
     """`value` rounded to `digits` significant digits, thousands separated: 10612 -> '10,600', 46.31 -> '46.3'."""
+    if not _real(value):
+        raise TypeError(f"value must be a number, got {value!r}")
+    check_int("digits", digits, minimum=1)
     if value == 0 or not math.isfinite(value):
         return f"{value:g}"
     decimals = digits - 1 - math.floor(math.log10(abs(value)))
@@ -70,17 +79,23 @@ def significant(value: float, digits: int) -> str:
 
 def fmt(value: Any, spec: str) -> str:
     """A figure as text: a Python format spec, '~N' for N significant digits, or 'min' for seconds as 'M min S s'."""
+    if not isinstance(spec, str):
+        raise TypeError(f"spec must be a str (a format spec, '~N' or 'min'), got {spec!r}")
     value = results.number(value)
     if spec in ("", ",") and isinstance(value, float) and value.is_integer():
         value = int(value)  # a count that passed through a float (expected.check publishes floats)
     if not spec:
         return str(value)
     if spec == "min":
+        if not is_number(value):
+            raise FigureError(f"cannot format {value!r} with 'min': it takes a finite number of seconds")
         minutes, seconds = divmod(round(float(value)), 60)
         return f"{minutes} min {seconds} s"
     if spec.startswith("~"):
         if not spec[1:].isdigit() or int(spec[1:]) < 1:
             raise FigureError(f"'~' takes a number of significant digits, got {spec!r}")
+        if not _real(value):
+            raise FigureError(f"cannot format {value!r} with {spec!r}: it takes a number")
         return significant(float(value), int(spec[1:]))
     try:
         return format(value, spec)
@@ -113,6 +128,8 @@ def _select(items: list[Any], selector: str) -> Any:
 def lookup(data: Any, path: str) -> Any:
     """Follow a path through nested JSON: keys (`a.b`, or `a[b.c]` for a key with dots), list indices, and
     [key=value] selectors of the one matching dict in a list."""
+    if not isinstance(path, str):
+        raise TypeError(f"path must be a str such as 'runs[method=wanda].ppl', got {path!r}")
     for match in _STEP.finditer(path.strip()):
         selector, key = match.groups()
         if selector is not None and isinstance(data, dict):  # [a key with dots or brackets]
@@ -152,6 +169,10 @@ def _operand(figures: dict[str, Any], text: str, by_name: bool) -> Any:
 def evaluate(figures: dict[str, Any], expression: str, *, by_name: bool) -> Any:
     """One figure (a lab's by its name, a benchmark's by its path), or a ratio 'a ÷ b' or difference 'a − b' of
     two figures or numbers."""
+    if not isinstance(figures, dict):
+        raise TypeError(f"figures must be a dict of name -> value, got {type(figures).__name__}")
+    if not isinstance(expression, str):
+        raise TypeError(f"expression must be a str such as 'a ÷ b', got {expression!r}")
     for op in ("÷", "−"):
         if f" {op} " in expression:
             left, right = (results.number(_operand(figures, t, by_name)) for t in expression.split(f" {op} ", 1))
@@ -174,7 +195,7 @@ class Sources:
     """The figures of every lab and benchmark a template names, read once each from the repository at `root`."""
 
     def __init__(self, root: Path = ROOT) -> None:
-        self.root = root
+        self.root = as_path("root", root)
         self._cache: dict[str, tuple[dict[str, Any], Source]] = {}
 
     def _machine(self, fp: dict[str, Any]) -> str:
@@ -182,8 +203,8 @@ class Sources:
         say whether bf16 ran natively), and the date."""
         cpu = fp.get("cpu", "unknown machine")
         if fp.get("cpu_features"):
-            cpu += f" [{'/'.join(fp['cpu_features'])}]"
-        where = ", ".join(fp.get("gpus") or []) or cpu
+            cpu += f" [{'/'.join(map(str, fp['cpu_features']))}]"
+        where = ", ".join(map(str, fp.get("gpus") or [])) or cpu
         return f"`{fp.get('profile', '?')}`, {where}, {str(fp.get('date', '?'))[:10]}"
 
     def _load(self, name: str) -> tuple[dict[str, Any], Source]:
@@ -192,14 +213,20 @@ class Sources:
             if len(found) != 1:
                 raise FigureError(f"{name}: no notebook labs/{name[3:]}_*.ipynb")
             nb = found[0]
+            link = nb.relative_to(self.root).as_posix()
             recorded, payloads = results.saved_notebook(nb)
             executed = recorded.get("executed")
             if not executed:
-                raise FigureError(f"{name}: {nb.name} was not written by `make execute` (no machine recorded)")
+                raise FigureError(f"{name}: {link} was not written by `make execute` (no machine recorded)")
+            if not isinstance(executed, dict):
+                raise FigureError(
+                    f"{name}: {link}: metadata.labkit.executed is a {type(executed).__name__}, not an object"
+                )
             figures: dict[str, Any] = {"executed seconds": executed.get("seconds")}  # `make execute`'s whole run
             for payload in payloads:
+                if not isinstance(payload.get("figures", {}), dict):
+                    raise FigureError(f"{name}: {link} published 'figures' that are not an object: {payload}")
                 figures.update(payload.get("figures", {}))
-            link = nb.relative_to(self.root).as_posix()
             return figures, Source(f"lab {name[3:]}", link, self._machine(executed))
         if match := re.fullmatch(r"bench/(\w+)(?:\[(.*)\])?", name):
             benchmark, selector = match.groups()
@@ -214,6 +241,9 @@ class Sources:
         raise FigureError(f"unknown source {name!r}: labNN or bench/<benchmark>")
 
     def get(self, name: str) -> tuple[dict[str, Any], Source]:
+        """The figures of one source ('labNN' or 'bench/<benchmark>[selector]') and where they came from, read once."""
+        if not isinstance(name, str):
+            raise TypeError(f"name must be a source such as 'lab04' or 'bench/perplexity', got {name!r}")
         if name not in self._cache:
             self._cache[name] = self._load(name)
         return self._cache[name]
@@ -221,6 +251,7 @@ class Sources:
 
 def render_line(line: str, sources: Sources, base: str = ".") -> str:
     """One template line with its figures filled in and `{{sources}}` linked (relative to the folder `base`)."""
+    _check_render("line", line, sources, base)
     used: list[Source] = []
 
     def fill(match: re.Match[str]) -> str:
@@ -247,6 +278,7 @@ def render_line(line: str, sources: Sources, base: str = ".") -> str:
 
 def render(template: str, sources: Sources, name: str = "template", base: str = ".") -> str:
     """The whole template rendered, line by line; an error names the line."""
+    _check_render("template", template, sources, base)
     out = []
     for number, line in enumerate(template.splitlines(), 1):
         try:
@@ -256,9 +288,20 @@ def render(template: str, sources: Sources, name: str = "template", base: str = 
     return "\n".join(out) + "\n"
 
 
+def _check_render(what: str, text: str, sources: Sources, base: str) -> None:
+    if not isinstance(text, str):
+        raise TypeError(f"{what} must be a str (the template's text), got {type(text).__name__}")
+    if not isinstance(sources, Sources):
+        raise TypeError(f"sources must be a figures.Sources, got {type(sources).__name__}")
+    if not isinstance(base, str):
+        raise TypeError(f"base must be a folder as a str ('.' or 'docs'), got {base!r}")
+
+
 def typed_rows(template: str) -> list[str]:
     """Table rows (after the header) with no placeholder at all: figures still typed by hand. A row whose source
     (its last cell) names a test file states a fact the suite checks on every run, not a measurement."""
+    if not isinstance(template, str):
+        raise TypeError(f"template must be a str (the template's text), got {type(template).__name__}")
     lines = template.splitlines()
     body = lines[next((i + 1 for i, line in enumerate(lines) if line.startswith("|---")), 0) :]
     return [
@@ -270,6 +313,11 @@ def typed_rows(template: str) -> list[str]:
 
 def rendered(target: Path, root: Path = ROOT, sources: Sources | None = None) -> str:
     """`target` as it should be: the lines between its markers replaced by its rendered template."""
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {', '.join(map(str, TARGETS))}, got {target!r}")
+    if sources is not None and not isinstance(sources, Sources):
+        raise TypeError(f"sources must be None or a figures.Sources, got {type(sources).__name__}")
+    root = as_path("root", root)
     template = TARGETS[target]
     text = (root / target).read_text(encoding="utf-8")
     start = begin(template)
@@ -284,12 +332,14 @@ def rendered(target: Path, root: Path = ROOT, sources: Sources | None = None) ->
 
 def stale(root: Path = ROOT) -> list[Path]:
     """The targets whose committed text differs from their rendering."""
+    root = as_path("root", root)
     sources = Sources(root)
     return [t for t in TARGETS if rendered(t, root, sources) != (root / t).read_text(encoding="utf-8")]
 
 
 def update(root: Path = ROOT) -> list[Path]:
     """Write each target that differs from its rendering (atomically); returns those written."""
+    root = as_path("root", root)
     sources = Sources(root)
     written = []
     for target in TARGETS:

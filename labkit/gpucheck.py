@@ -16,6 +16,7 @@ from typing import Any
 
 from labkit import assets, bench, env, precision, profiles, results
 from labkit.parallel import launch
+from labkit.torchutil import as_path, check_bool, check_int
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES_TEST = ROOT / "tests" / "test_profiles.py"  # every profile's sizes against the offline data (seconds)
@@ -74,6 +75,8 @@ def plan(gpus: int, runs: Path, root: Path = ROOT) -> list[Step]:
     """The GPU steps for a machine with `gpus` CUDA devices: benchmarks first (minutes), each saving its run under
     `runs` (`results.save_run`), then every lab under the gpu profile. A step that needs more GPUs than there are
     is kept, to be reported skipped."""
+    check_int("gpus", gpus)
+    runs, root = as_path("runs", runs), as_path("root", root)
     py = sys.executable
 
     def benchmark(script: str, *args: str) -> list[str]:
@@ -158,6 +161,11 @@ def cpu_checks() -> list[dict[str, Any]]:
 
 def run_step(step: Step, gpus: int, cwd: Path, echo: Callable[[str], None] = print) -> dict[str, Any]:
     """Run one step; its outcome, time and output tail (a failed or skipped step does not stop the check)."""
+    if not isinstance(step, Step):
+        raise TypeError(f"step must be a gpucheck.Step (see plan), got {type(step).__name__}")
+    check_int("gpus", gpus)
+    cwd = as_path("cwd", cwd)
+    _check_echo(echo)
     if gpus < step.gpus:
         return {
             "step": step.name,
@@ -187,6 +195,11 @@ def run_step(step: Step, gpus: int, cwd: Path, echo: Callable[[str], None] = pri
 
 def gpu_check(output: Path, *, run_labs: bool = True, echo: Callable[[str], None] = print) -> dict[str, Any]:
     """The whole check; writes `output` (JSON) and returns it. Without CUDA only cpu_checks run."""
+    output = as_path("output", output)
+    if output.is_dir():  # found now, not after an hour of labs
+        raise IsADirectoryError(f"output {output} is a directory: give a file name (results/gpu-check.json)")
+    check_bool("run_labs", run_labs)
+    _check_echo(echo)
     report: dict[str, Any] = {
         "device": bench.device_name(),
         "environment": env.collect(),
@@ -223,8 +236,15 @@ def gpu_check(output: Path, *, run_labs: bool = True, echo: Callable[[str], None
     return report
 
 
+def _check_echo(echo: Callable[[str], None]) -> None:
+    if not callable(echo):
+        raise TypeError(f"echo must be callable (print, say), got {echo!r}")
+
+
 def summary(report: dict[str, Any]) -> str:
     """The steps' outcomes and the goals against what was measured, one line each."""
+    if not isinstance(report, dict) or not {"device", "steps", "goals"} <= report.keys():
+        raise ValueError("report must be gpu_check's result: a dict with 'device', 'steps' and 'goals'")
     lines = [f"gpu-check on {report['device']}:"]
     lines += [f"  {s['status']:>9}  {s['step']} ({s['seconds']:.0f} s)" for s in report["steps"]]
     lines += ["goals (speed: reported, never failed):"]

@@ -27,6 +27,7 @@ import psutil
 import torch
 
 from labkit import bench, flops
+from labkit.torchutil import as_path, check_int, check_number, is_int, is_number
 
 RAPL = Path("/sys/class/powercap/intel-rapl:0/energy_uj")  # the CPU package; AMD's kernels use the same name
 
@@ -54,6 +55,10 @@ class Sampler:
     ):
         if not isinstance(interval, (int, float)) or isinstance(interval, bool) or not 0.001 <= interval <= 3600:
             raise ValueError(f"interval must be between 0.001 and 3600 seconds, got {interval!r}")
+        if rapl is not None:
+            rapl = as_path("rapl", rapl)
+        if not callable(clock):
+            raise TypeError(f"clock must be callable (time.monotonic, say), got {clock!r}")
         self.interval = float(interval)
         self.device = bench.as_device(device)
         self.samples: list[dict[str, float]] = []
@@ -169,6 +174,9 @@ class Sampler:
 
     def series(self, name: str, since: float = 0.0) -> tuple[list[float], list[float]]:
         """(times, values) of one measure, from `since` seconds after the start; empty where it was not read."""
+        if not isinstance(name, str):
+            raise TypeError(f"name must be a measure's name (e.g. 'power_w'), got {name!r}")
+        check_number("since", since)
         picked = [(s["t"], s[name]) for s in list(self.samples) if name in s and s["t"] >= since]
         return [t for t, _ in picked], [v for _, v in picked]
 
@@ -196,6 +204,11 @@ class Sampler:
 
 def integrate(times: list[float], values: list[float]) -> float:
     """Trapezoid-rule integral of a sampled series (watts over seconds: joules)."""
+    for name, series in (("times", times), ("values", values)):
+        if isinstance(series, (str, bytes)) or not hasattr(series, "__len__"):
+            raise TypeError(f"{name} must be a list of numbers, got {series!r}")
+        if not all(is_number(v) for v in series):
+            raise ValueError(f"{name} must hold finite numbers, got {list(series)!r}")
     if len(times) != len(values) or any(b < a for a, b in zip(times, times[1:])):
         raise ValueError("need as many times as values, in increasing order")
     return sum((times[i + 1] - times[i]) * (values[i] + values[i + 1]) / 2 for i in range(len(times) - 1))
@@ -203,6 +216,9 @@ def integrate(times: list[float], values: list[float]) -> float:
 
 def energy_per_token(joules: float, tokens: int) -> float:
     """Joules per token processed; the figure to compare runs, precisions and machines by."""
+    check_number("joules", joules)
+    if not is_int(tokens):
+        raise TypeError(f"tokens must be an int, got {tokens!r}")
     if tokens <= 0 or joules < 0:
         raise ValueError(f"need tokens > 0 and joules >= 0, got {tokens} tokens and {joules} J")
     return joules / tokens
@@ -214,6 +230,11 @@ def busy_but_idle(
     """Small matmuls back to back for `seconds`: how busy the hardware reads against the share of its matmul peak
     the work reaches. On a GPU: NVML's GPU-Util against the data sheet's peak; on a CPU: this process's CPU %
     (100 = one core) against a large matmul measured here (`peak_size`)."""
+    check_int("size", size, minimum=1)
+    check_int("peak_size", peak_size, minimum=1)
+    check_number("seconds", seconds)
+    if seconds <= 0:
+        raise ValueError(f"seconds must be positive, got {seconds!r}")
     dev = bench.as_device(device)
     dtype = "bf16" if dev.type == "cuda" and flops.dtype_support(dev)["bf16"] is None else "fp32"
     a = torch.randn(size, size, device=dev, dtype=flops.DTYPES[dtype])
@@ -256,6 +277,7 @@ class TensorBoardLog:
     """A run's scalars as TensorBoard event files under `logdir` (`tensorboard --logdir` on its parent)."""
 
     def __init__(self, logdir: str | Path):
+        logdir = as_path("logdir", logdir)
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as err:  # torch imports tensorboard lazily, here
@@ -266,6 +288,8 @@ class TensorBoardLog:
 
     def log_step(self, record: dict[str, Any]) -> None:
         """One training step's record from `labkit.train.fit`, as train/<name> at its step."""
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise TypeError(f"record must be a dict with an int 'step' (a labkit.train.fit record), got {record!r}")
         for name in TRAIN_SCALARS:
             if record.get(name) is not None:
                 self.writer.add_scalar(f"train/{name}", float(record[name]), int(record["step"]))
@@ -273,6 +297,9 @@ class TensorBoardLog:
     def log_samples(self, sampler: Sampler, step: int) -> None:
         """The sampler's readings since the last call, as system/<name> at `step`, each at the wall time it was
         taken (TensorBoard's "relative" axis lines them up with the training curves)."""
+        if not isinstance(sampler, Sampler):
+            raise TypeError(f"sampler must be a monitor.Sampler, got {type(sampler).__name__}")
+        check_int("step", step)
         new = sampler.samples[self._seen :]
         self._seen += len(new)
         for s in new:
@@ -309,7 +336,7 @@ def read_scalars(logdir: str | Path) -> dict[str, list[tuple[int, float]]]:
     """Every scalar in the event files directly under `logdir`, as {tag: [(step, value), ...]}."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    if not Path(logdir).is_dir():
+    if not as_path("logdir", logdir).is_dir():
         raise FileNotFoundError(f"no TensorBoard run at {logdir}")
     acc = EventAccumulator(os.fspath(logdir), size_guidance={"scalars": 0})  # 0: keep every point
     acc.Reload()

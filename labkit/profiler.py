@@ -30,6 +30,7 @@ import torch
 from torch.profiler import ProfilerActivity, record_function
 
 from labkit import bench
+from labkit.torchutil import as_path, check_bool, check_int
 
 PHASES = ("data", "forward", "backward", "optimizer")
 PREFIX = "labkit/"
@@ -40,6 +41,8 @@ COMMUNICATION = re.compile(r"nccl|gloo|c10d|all_?reduce|reduce_?scatter|all_?gat
 @contextlib.contextmanager
 def phase(name: str) -> Iterator[None]:
     """Mark a phase of a training step in any running trace (a few microseconds; nothing without a profiler)."""
+    if name not in PHASES:  # `breakdown` reads these four back; another name would vanish from it unseen
+        raise ValueError(f"phase must be one of {PHASES}, got {name!r}")
     with record_function(PREFIX + name):
         yield
 
@@ -58,19 +61,42 @@ class Trace:
 
     def top(self, n: int = 10, by: str = "self_s") -> list[dict[str, Any]]:
         """The `n` operators with the most `by` ('self_s', 'total_s', 'calls' or 'self_memory_bytes')."""
+        check_int("n", n, minimum=1)
         if not self.operators or by not in self.operators[0]:
             raise ValueError(f"by must be one of {list(self.operators[0]) if self.operators else []}, got {by!r}")
         return sorted(self.operators, key=lambda row: -row[by])[:n]
 
     def share(self, pattern: str) -> float:
         """Share of all operators' self time spent in operators whose name matches `pattern` (a regex)."""
+        regex = _regex(pattern)
         total = sum(row["self_s"] for row in self.operators)
-        picked = sum(row["self_s"] for row in self.operators if re.search(pattern, row["name"]))
+        picked = sum(row["self_s"] for row in self.operators if regex.search(row["name"]))
         return picked / total if total else 0.0
 
     def count(self, pattern: str) -> float:
         """Calls per step of the operators whose name matches `pattern` (e.g. 'aten::_local_scalar_dense')."""
-        return sum(row["calls"] for row in self.operators if re.search(pattern, row["name"]))
+        regex = _regex(pattern)
+        return sum(row["calls"] for row in self.operators if regex.search(row["name"]))
+
+
+def _regex(pattern: str) -> re.Pattern[str]:
+    """`pattern` compiled, or a TypeError / ValueError that names it (re.error is neither)."""
+    if not isinstance(pattern, str):
+        raise TypeError(f"pattern must be a regex string (e.g. profiler.MATMUL), got {pattern!r}")
+    try:
+        return re.compile(pattern)
+    except re.error as err:
+        raise ValueError(f"pattern {pattern!r} is not a valid regex: {err}") from None
+
+
+def _step_spans(events: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """The ProfilerStep# ranges of a trace's events, refused (by name) unless a list of event dicts with some."""
+    if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
+        raise TypeError("events must be a list of Chrome-trace event dicts (a trace file's 'traceEvents')")
+    steps = _spans(events, lambda e: e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#"))
+    if not steps:
+        raise ValueError("no ProfilerStep# events: was the trace recorded with a schedule and prof.step()?")
+    return steps
 
 
 def _covered(intervals: list[tuple[float, float]]) -> float:
@@ -95,9 +121,7 @@ def breakdown(events: list[dict[str, Any]], side: str = "cpu") -> dict[str, floa
     if side not in ("cpu", "device"):
         raise ValueError(f"side must be 'cpu' or 'device', got {side!r}")
     mark = "user_annotation" if side == "cpu" else "gpu_user_annotation"
-    steps = _spans(events, lambda e: e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#"))
-    if not steps:
-        raise ValueError("no ProfilerStep# events: was the trace recorded with a schedule and prof.step()?")
+    steps = _step_spans(events)
     n = len(steps)
     in_phase = {p: _spans(events, lambda e, p=p: e.get("cat") == mark and e["name"] == PREFIX + p) for p in PHASES}
     result = {p: _covered(spans) for p, spans in in_phase.items()}
@@ -112,10 +136,10 @@ def breakdown(events: list[dict[str, Any]], side: str = "cpu") -> dict[str, floa
 
 def device_busy(events: list[dict[str, Any]]) -> float | None:
     """Share of the profiled steps' time in which at least one GPU kernel ran (None: no kernels in the trace)."""
+    steps = _step_spans(events)
     kernels = _spans(events, lambda e: e.get("cat") == "kernel")
     if not kernels:
         return None
-    steps = _spans(events, lambda e: e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#"))
     start, end = min(a for a, _ in steps), max(b for _, b in steps)
     inside = [(max(a, start), min(b, end)) for a, b in kernels if b > start and a < end]
     return _covered(inside) / (end - start)
@@ -185,8 +209,18 @@ def profile_steps(
     for name, value in (("active", active), ("warmup", warmup), ("wait", wait)):
         if not isinstance(value, int) or isinstance(value, bool) or value < (1 if name == "active" else 0):
             raise ValueError(f"{name} must be an int >= {1 if name == 'active' else 0}, got {value!r}")
+    if not callable(step):
+        raise TypeError(f"step must be callable (a function that runs one training step), got {step!r}")
+    for name, flag in (
+        ("record_shapes", record_shapes),
+        ("profile_memory", profile_memory),
+        ("with_stack", with_stack),
+    ):
+        check_bool(name, flag)
     dev = bench.as_device(device)
-    out = Path(out_dir)
+    out = as_path("out_dir", out_dir)
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"out_dir {out} is a file: give a folder for the trace")
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{socket.gethostname()}_{os.getpid()}.pt.trace.json"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from labkit import assets, env, profiles
+from labkit.torchutil import as_path
 
 MIME = "application/vnd.labkit.figures+json"
 RESULTS = Path("results")
@@ -53,13 +54,15 @@ def _host() -> str:
 def save_run(name: str, figures: dict[str, Any], *, profile: str | None = None, root: str | Path = RESULTS) -> Path:
     """Write one benchmark run — its figures and the machine's fingerprint — to `root/name/<time>-<host>.json`,
     atomically; an earlier run is never overwritten. Returns the path."""
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise ValueError(f"benchmark name must be lower-case letters, digits and '_', got {name!r}")
+    _check_name(name)
     if not isinstance(figures, dict) or not figures:
         raise ValueError("figures must be a non-empty dict of name -> value")
+    if profile is not None and not isinstance(profile, str):
+        raise TypeError(f"profile must be None or a profile's name (smoke, cpu, gpu), got {profile!r}")
+    root = as_path("root", root)
     record = {
         "benchmark": name,
-        "machine": env.fingerprint(profile or profiles.get_profile().name),
+        "machine": env.fingerprint(profiles.get_profile(profile).name),
         "figures": _plain(figures),  # a figure JSON cannot hold fails here, before anything is written
     }
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
@@ -72,6 +75,25 @@ def save_run(name: str, figures: dict[str, Any], *, profile: str | None = None, 
     return assets.atomic_write_text(path, json.dumps(record, indent=1, ensure_ascii=False) + "\n")
 
 
+def _check_name(name: str) -> None:
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(f"benchmark name must be lower-case letters, digits and '_', got {name!r}")
+
+
+def _run_problem(record: Any) -> str | None:
+    """What keeps a loaded JSON value from being a saved run ({"benchmark": str, "machine": {}, "figures": {}})."""
+    if not isinstance(record, dict):
+        return f"the file holds a JSON {type(record).__name__}, not an object"
+    kinds = {"benchmark": str, "machine": dict, "figures": dict}
+    missing = [key for key in kinds if key not in record]
+    if missing:
+        return f"no {', '.join(map(repr, missing))}"
+    wrong = [
+        f"{key!r} is a {type(record[key]).__name__}" for key, kind in kinds.items() if not isinstance(record[key], kind)
+    ]
+    return ", ".join(wrong) or None
+
+
 def _saved_order(path: Path) -> tuple[str, int]:
     first, _, n = path.stem.partition("~")
     return first, int(n) if n.isdigit() else 1
@@ -79,15 +101,19 @@ def _saved_order(path: Path) -> tuple[str, int]:
 
 def runs(name: str, root: str | Path = RESULTS) -> list[tuple[Path, dict[str, Any]]]:
     """Every saved run of benchmark `name`, oldest first, as (path, record)."""
-    folder = Path(root) / name
+    _check_name(name)
+    folder = as_path("root", root) / name
     found = []
     for path in sorted(folder.glob("*.json"), key=_saved_order):
         try:
             record = json.loads(path.read_text(encoding="utf-8"))
         except ValueError as err:
             raise ValueError(f"{path}: not a JSON record ({err})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("figures"), dict) or "machine" not in record:
-            raise ValueError(f"{path}: not a benchmark run (needs 'machine' and 'figures')")
+        problem = _run_problem(record)
+        if problem:
+            raise ValueError(
+                f"{path}: not a benchmark run (needs 'benchmark' text, 'machine' and 'figures' objects): {problem}"
+            )
         found.append((path, record))
     return found
 
@@ -103,6 +129,11 @@ def latest(name: str, root: str | Path = RESULTS) -> tuple[Path, dict[str, Any]]
 def publish(text: str, payload: dict[str, Any]) -> None:
     """Show `text`; inside a Jupyter kernel as one output that also carries `payload` as JSON (`MIME`), which the
     saved notebook keeps for `notebook_figures`. Elsewhere (a script, a test) it is printed."""
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str (what the reader sees), got {type(text).__name__}")
+    if not isinstance(payload, dict):
+        raise TypeError(f"payload must be a dict (e.g. {{'figures': {{...}}}}), got {type(payload).__name__}")
+    payload = _plain(payload)  # a value JSON cannot hold is refused here, in a script as in a kernel
     try:
         from IPython import get_ipython
     except ImportError:
@@ -114,21 +145,29 @@ def publish(text: str, payload: dict[str, Any]) -> None:
         return
     from IPython.display import display
 
-    display({"text/plain": text, MIME: _plain(payload)}, raw=True)
+    display({"text/plain": text, MIME: payload}, raw=True)
 
 
 def saved_notebook(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """A saved notebook, read once: what `labkit execute` recorded in it ({"executed": machine, profile, run time},
     or {}) and every payload it published (`publish`), in cell order."""
-    nb = json.loads(Path(path).read_text(encoding="utf-8"))
-    payloads = [
-        out["data"][MIME]
-        for cell in nb.get("cells", [])
-        if cell.get("cell_type") == "code"
-        for out in cell.get("outputs", [])
-        if MIME in out.get("data", {})
-    ]
-    return nb.get("metadata", {}).get("labkit", {}), payloads
+    path = as_path("path", path)
+    try:
+        nb = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as err:
+        raise ValueError(f"{path}: not a notebook's JSON ({err})") from None
+    cells = nb.get("cells", []) if isinstance(nb, dict) else None
+    if not isinstance(cells, list) or not all(isinstance(c, dict) for c in cells):
+        raise ValueError(f"{path}: not a notebook (needs an object whose 'cells' is a list of objects)")
+    outputs = [out for cell in cells if cell.get("cell_type") == "code" for out in cell.get("outputs", [])]
+    if not all(isinstance(out, dict) and isinstance(out.get("data", {}), dict) for out in outputs):
+        raise ValueError(f"{path}: a code cell's outputs must be objects whose 'data' is an object")
+    payloads = [out["data"][MIME] for out in outputs if MIME in out.get("data", {})]
+    metadata = nb.get("metadata", {})
+    recorded = metadata.get("labkit", {}) if isinstance(metadata, dict) else None
+    if not isinstance(recorded, dict) or not all(isinstance(p, dict) for p in payloads):
+        raise ValueError(f"{path}: metadata.labkit and every published {MIME} payload must be JSON objects")
+    return recorded, payloads
 
 
 def notebook_figures(path: str | Path) -> list[dict[str, Any]]:

@@ -13,6 +13,7 @@ import os
 import sys
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +30,41 @@ def is_int(value: Any) -> bool:
 def is_number(value: Any) -> bool:
     """A finite int or float, not a bool: what a rate, scale or probability argument must be."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_int(name: str, value: Any, minimum: int = 0) -> None:
+    """Refuse a count or size by name: TypeError unless an int (not a bool), ValueError below `minimum`."""
+    if not is_int(value):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def check_number(name: str, value: Any, minimum: float | None = None) -> None:
+    """Refuse a rate, time or amount by name: TypeError unless a finite number (no bool), ValueError below `minimum`."""
+    if not is_number(value):
+        raise TypeError(f"{name} must be a finite number, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be a number >= {minimum}, got {value!r}")
+
+
+def check_bool(name: str, value: Any) -> None:
+    """Refuse a flag that is not True or False (a 1 or a "yes" would read as True without a word)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def check_module(value: Any, name: str = "model") -> None:
+    """Refuse, by name, what is not a torch.nn.Module before an AttributeError deep inside says so less clearly."""
+    if not isinstance(value, nn.Module):
+        raise TypeError(f"{name} must be a torch.nn.Module, got {type(value).__name__}")
+
+
+def as_path(name: str, value: Any) -> Path:
+    """`value` as a Path; TypeError, by name, for what is not a path (None, a number) before anything is written."""
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+        raise TypeError(f"{name} must be a path (a non-empty str or os.PathLike), got {value!r}")
+    return Path(value)
 
 
 def device_of(device: str | torch.device) -> torch.device:
@@ -88,6 +124,8 @@ def activation_checkpointing(model: nn.Module, on: bool | None = None) -> bool:
     transformers 5 renamed gradient_checkpointing_* to activation_checkpointing_*; both are accepted. Older
     versions default to torch's reentrant checkpoint, which torch deprecates; both then get the non-reentrant one.
     """
+    if on is not None:
+        check_bool("on", on)
     new = hasattr(model, "activation_checkpointing_enable")
     if not new and not hasattr(model, "gradient_checkpointing_enable"):
         raise ValueError(f"activation checkpointing needs a transformers model, got {type(model).__name__}")
@@ -103,6 +141,7 @@ def activation_checkpointing(model: nn.Module, on: bool | None = None) -> bool:
 @contextlib.contextmanager
 def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
     """Dropout off for a measurement, then the model's train/eval mode as it was (also after an error)."""
+    check_module(model)
     was_training = model.training
     model.eval()
     try:
@@ -118,6 +157,8 @@ def seeded(seed: int, device: str | torch.device | None = None) -> Iterator[None
     Covers the CPU generator and, when `device` is a GPU, that GPU's: what model initialization and
     sampling on that device draw from.
     """
+    if not is_int(seed):
+        raise TypeError(f"seed must be an int, got {seed!r}")
     device = torch.device(device) if device is not None else torch.device("cpu")
     cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):
@@ -132,6 +173,9 @@ def seeded(seed: int, device: str | torch.device | None = None) -> Iterator[None
 def environ(**values: str) -> Iterator[None]:
     """Set environment variables for a call, then give the whole environment back as it was: also what the
     call itself set (GPTQModel and PEFT set variables for good when imported) is undone."""
+    wrong = {name: value for name, value in values.items() if not isinstance(value, str)}
+    if wrong:  # os.environ.update would fail part-way, with the earlier variables already set
+        raise TypeError(f"environment variables take str values, got {wrong!r}")
     before = dict(os.environ)
     os.environ.update(values)
     try:
@@ -150,6 +194,8 @@ def quiet(what: str, *, ignore_warnings: tuple[str, ...] = ()) -> Iterator[None]
     transformers' own log, when it is imported, is held to errors for the call: its handler writes to the stderr it
     found at import, which redirecting `sys.stderr` does not reach.
     """
+    if not isinstance(ignore_warnings, (tuple, list)) or not all(isinstance(m, str) for m in ignore_warnings):
+        raise TypeError(f"ignore_warnings must be a tuple of message regexes, got {ignore_warnings!r}")
     log = io.StringIO()
     hf_logging = sys.modules.get("transformers.utils.logging")
     verbosity = hf_logging.get_verbosity() if hf_logging else None

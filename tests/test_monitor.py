@@ -143,6 +143,18 @@ def test_tensorboard_log_holds_the_scalars_written(tmp_path):
         monitor.read_scalars(tmp_path / "missing")
 
 
+def test_tensorboard_log_refuses_what_is_not_a_record_or_a_sampler(tmp_path):
+    board = monitor.TensorBoardLog(tmp_path / "run")
+    with pytest.raises(TypeError, match="record must be a dict with an int 'step'"):
+        board.log_step({"loss": 1.0})
+    with pytest.raises(TypeError, match="sampler must be a monitor.Sampler, got list"):
+        board.log_samples([], 1)
+    with pytest.raises(TypeError, match="step must be an int, got '1'"):
+        board.log_samples(monitor.Sampler(rapl=None), "1")
+    board.close()
+    assert monitor.read_scalars(tmp_path / "run") == {}  # nothing was written
+
+
 def test_fit_logs_every_step_and_the_hardware_to_tensorboard(tmp_path):
     model = tiny_llama(64, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, seed=0)
     data = [(torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))) for _ in range(4)]

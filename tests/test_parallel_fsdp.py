@@ -5,6 +5,7 @@ activation checkpointing."""
 import pytest
 from torch import nn
 
+from labkit.models import tiny_llama
 from labkit.parallel.fsdp import shard_model
 
 
@@ -38,6 +39,8 @@ def test_offload_only_where_there_is_an_accelerator_to_offload_from(sharding_res
             assert row["held"] == row["predicted"] and row["held"]["offloaded"] == 8 * r["parameters"]
 
 
-def test_shard_model_needs_a_process_group():
+def test_shard_model_needs_a_process_group_and_decoder_blocks():
     with pytest.raises(RuntimeError, match="process group"):
+        shard_model(tiny_llama())
+    with pytest.raises(ValueError, match="cannot find the decoder blocks of Linear"):  # refused first
         shard_model(nn.Linear(2, 2))

@@ -134,3 +134,31 @@ def test_module_name_finds_a_submodule_by_identity():
     assert torchutil.module_name(model, model) == ""
     with pytest.raises(ValueError, match="not a submodule"):
         torchutil.module_name(model, nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize(
+    "check, args, error, message",
+    [
+        (torchutil.check_int, ("n", True), TypeError, "n must be an int, got True"),
+        (torchutil.check_int, ("n", 2.0), TypeError, "n must be an int, got 2.0"),
+        (torchutil.check_int, ("n", 0, 1), ValueError, "n must be an int >= 1, got 0"),
+        (torchutil.check_number, ("lr", float("inf")), TypeError, "lr must be a finite number, got inf"),
+        (torchutil.check_number, ("lr", "1e-3"), TypeError, "lr must be a finite number, got '1e-3'"),
+        (torchutil.check_number, ("lr", -1.0, 0), ValueError, "lr must be a number >= 0, got -1.0"),
+        (torchutil.check_bool, ("inplace", 1), TypeError, "inplace must be True or False, got 1"),
+        (torchutil.check_module, (nn.Linear,), TypeError, "model must be a torch.nn.Module, got type"),
+        (torchutil.as_path, ("out_dir", None), TypeError, "out_dir must be a path .*got None"),
+        (torchutil.as_path, ("out_dir", ""), TypeError, "out_dir must be a path .*got ''"),
+    ],
+)
+def test_the_shared_checks_name_the_argument_and_what_is_allowed(check, args, error, message):
+    with pytest.raises(error, match=message):
+        check(*args)
+
+
+def test_the_shared_checks_pass_what_is_allowed(tmp_path):
+    torchutil.check_int("n", 0)
+    torchutil.check_number("lr", 3)
+    torchutil.check_bool("inplace", False)
+    torchutil.check_module(nn.Linear(1, 1))
+    assert torchutil.as_path("out_dir", str(tmp_path)) == tmp_path

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labkit.torchutil import decoder_layers
+from labkit.torchutil import check_bool, check_module, decoder_layers
 
 
 def shard_model(
@@ -28,6 +28,13 @@ def shard_model(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+    check_module(model)
+    check_bool("reshard_after_forward", reshard_after_forward)
+    check_bool("offload", offload)
+    for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"{name} must be None or a torch floating-point dtype (torch.bfloat16, say), got {dtype!r}")
+    blocks = decoder_layers(model)  # a model without decoder blocks is refused before any mesh is made
     if not dist.is_initialized():
         raise RuntimeError("init the process group first (labkit.parallel.launch.rank_context)")
     device = next(model.parameters()).device
@@ -38,7 +45,7 @@ def shard_model(
         options["offload_policy"] = CPUOffloadPolicy()
     if param_dtype is not None or reduce_dtype is not None:
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    for block in decoder_layers(model):
+    for block in blocks:
         fully_shard(block, reshard_after_forward=reshard_after_forward, **options)
     fully_shard(model, **options)  # the root keeps its parameters to the backward, which needs them first
     return model

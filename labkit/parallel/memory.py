@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
-from labkit.torchutil import is_int
+from labkit.torchutil import check_bool, check_module, device_of, is_int
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 
@@ -77,6 +77,8 @@ def state_bytes(
     """
     _check_count("n_params", n_params)
     _check_count("world", world, minimum=1)
+    _check_policy(policy)
+    check_bool("offload", offload)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if offload and strategy != "zero3":
@@ -96,6 +98,7 @@ def gathered_bytes(unit_params: int, policy: DtypePolicy = FP32, prefetch: int =
     next ones being gathered), on top of the shards; with per-block units, a few blocks' worth."""
     _check_count("unit_params", unit_params)
     _check_count("prefetch", prefetch)
+    _check_policy(policy)
     return unit_params * (policy.param * (1 + prefetch) + policy.grad)
 
 
@@ -123,6 +126,7 @@ def activation_bytes(
         ("outside_blocks_per_token", outside_blocks_per_token),
     ):
         _check_count(name, value)
+    check_bool("checkpointing", checkpointing)
     if checkpointing:
         inside = blocks * block_input_per_token + per_token_per_block
     else:
@@ -152,6 +156,16 @@ def _check_count(name: str, value: int, minimum: int = 0) -> None:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
+def _check_policy(policy: DtypePolicy) -> None:
+    if not isinstance(policy, DtypePolicy):
+        raise TypeError(f"policy must be a DtypePolicy (FP32, MIXED or your own), got {policy!r}")
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t  # a DTensor (FSDP2) counts its shard on this rank
 
@@ -168,6 +182,7 @@ def _moments(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def moment_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of an optimizer's per-parameter state on this rank (AdamW: the two moments), step counts left out."""
+    _check_optimizer(optimizer)
     return sum(_local_bytes(t) for t in _moments(optimizer))
 
 
@@ -177,13 +192,16 @@ def held_bytes(
     """What this rank holds for training, measured tensor by tensor (a tied weight once, a shard as its local part):
     the figure to set against `state_bytes`. Given the accelerator the rank computes on as `device`, tensors held
     elsewhere (FSDP's CPU offload) count as `offloaded`."""
+    check_module(model)
+    if optimizer is not None:
+        _check_optimizer(optimizer)
+    here = device_of(device).type if device is not None else None
     params = list(model.parameters())  # each tensor once: a tied weight is one parameter
     kinds = {
         "parameters": params,
         "gradients": [p.grad for p in params if p.grad is not None],
         "optimizer": _moments(optimizer) if optimizer is not None else [],
     }
-    here = torch.device(device).type if device is not None else None
 
     def away(t: torch.Tensor) -> bool:
         return here not in (None, "cpu") and _local(t).device.type != here

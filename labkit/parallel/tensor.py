@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labkit.torchutil import is_int
+from labkit.torchutil import check_bool, check_int, is_int
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -33,6 +33,9 @@ def megatron_mlp_shard(fc1: nn.Linear, fc2: nn.Linear, rank: int, world: int) ->
     """This rank's slices of an MLP fc2(act(fc1(x))): fc1 split by output features (columns of Wᵀ), fc2 by
     input features (rows of Wᵀ). Each rank computes its partial output with no communication; one
     all-reduce sums them. fc2's bias is kept on rank 0 only, so that it is added once."""
+    _check_mlp(fc1, fc2)
+    check_int("world", world, minimum=1)
+    check_int("rank", rank)
     hidden = fc1.out_features
     if not 0 <= rank < world:
         raise ValueError(f"need 0 <= rank < world, got rank={rank}, world={world}")
@@ -58,9 +61,29 @@ def tensor_parallel_mlp(
     activation: Callable[[torch.Tensor], torch.Tensor] = torch.nn.functional.gelu,
 ) -> torch.Tensor:
     """The MLP's output from this rank's shard: partial result, then a sum over ranks."""
+    _check_mlp(a, b)
+    _check_tensor(x)
+    if x.shape[-1:] != (a.in_features,):
+        raise ValueError(f"x must end in a's {a.in_features} input features, got shape {tuple(x.shape)}")
+    if not callable(activation):
+        raise TypeError(f"activation must be callable (torch.nn.functional.gelu, say), got {activation!r}")
     y = b(activation(a(x)))
     dist.all_reduce(y, op=dist.ReduceOp.SUM)
     return y
+
+
+def _check_mlp(fc1: nn.Linear, fc2: nn.Linear) -> None:
+    """Two nn.Linear layers of which the second reads what the first writes."""
+    for name, layer in (("fc1", fc1), ("fc2", fc2)):
+        if not isinstance(layer, nn.Linear):
+            raise TypeError(f"{name} must be an nn.Linear, got {type(layer).__name__}")
+    if fc2.in_features != fc1.out_features:
+        raise ValueError(f"fc2 must read fc1's {fc1.out_features} outputs, but it has {fc2.in_features} inputs")
+
+
+def _check_tensor(x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
 
 
 # ----------------------------------------------------------------------------- Megatron's f and g
@@ -96,11 +119,13 @@ class _ReduceFromParallel(torch.autograd.Function):
 
 def copy_to_parallel(x: torch.Tensor) -> torch.Tensor:
     """Megatron's f, at the entry of a column-parallel region: x as is, its gradient summed over the ranks."""
+    _check_tensor(x)
     return _CopyToParallel.apply(x)
 
 
 def reduce_from_parallel(x: torch.Tensor) -> torch.Tensor:
     """Megatron's g, at the exit of a row-parallel region: x summed over the ranks, its gradient passed as is."""
+    _check_tensor(x)
     return _ReduceFromParallel.apply(x)
 
 
@@ -180,6 +205,7 @@ def parallelize_block(block: nn.Module, mesh: DeviceMesh, *, shared_input: bool 
     `shared_input` makes attention's and the MLP's input one replicated DTensor (PrepareModuleInput), so that
     the q/k/v (gate/up) input gradients add up as partial sums and are all-reduced once, as Megatron's f does;
     without it each ColwiseParallel wraps the input itself and all-reduces its own input gradient."""
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -188,6 +214,9 @@ def parallelize_block(block: nn.Module, mesh: DeviceMesh, *, shared_input: bool 
         parallelize_module,
     )
 
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch DeviceMesh (init_device_mesh), got {type(mesh).__name__}")
+    check_bool("shared_input", shared_input)
     if mesh.ndim != 1:
         raise ValueError(f"mesh must be 1-D (one tensor-parallel dimension), got {mesh.ndim}-D")
     _check_block(block, mesh.size())

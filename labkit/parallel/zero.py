@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labkit.torchutil import is_int
+from labkit.torchutil import check_bool, is_int
 
 
 def owned_slice(numel: int, rank: int, world: int) -> slice:
@@ -40,18 +40,30 @@ class Zero1AdamW:
     """
 
     def __init__(self, params: Iterable[nn.Parameter], **adamw: Any) -> None:
-        if not dist.is_initialized():
-            raise RuntimeError("init the process group first (labkit.parallel.launch.rank_context)")
+        if isinstance(params, torch.Tensor) or not isinstance(params, Iterable):
+            raise TypeError(
+                f"params must be an iterable of parameters (model.parameters()), got {type(params).__name__}"
+            )
+        params = list(params)
+        bad = next((p for p in params if not isinstance(p, torch.Tensor)), None)
+        if bad is not None:
+            raise TypeError(f"params must hold tensors (model.parameters()), got {bad!r}")
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("Zero1AdamW got no parameters that require a gradient")
         kinds = {(p.dtype, p.device) for p in self.params}
         if len(kinds) > 1:
             raise ValueError(f"all parameters must share one dtype and one device, got {sorted(map(str, kinds))}")
+        first = self.params[0]
+        try:  # AdamW's own checks (lr, betas, eps ...) on a stand-in, before any parameter is re-homed
+            torch.optim.AdamW([nn.Parameter(torch.zeros(1, dtype=first.dtype, device=first.device))], **adamw)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"Zero1AdamW's AdamW arguments {adamw}: {err}") from None
+        if not dist.is_initialized():
+            raise RuntimeError("init the process group first (labkit.parallel.launch.rank_context)")
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.owned = owned_slice(sum(p.numel() for p in self.params), self.rank, self.world)
         self.shard_numel = self.owned.stop - self.owned.start
-        first = self.params[0]
         self.flat = torch.zeros(self.shard_numel * self.world, dtype=first.dtype, device=first.device)
         offset = 0
         for p in self.params:  # the parameters become views of the flat buffer: gathering into it updates them
@@ -63,6 +75,8 @@ class Zero1AdamW:
         self.optimizer = torch.optim.AdamW([self.shard], **adamw)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the parameters' gradients (None, or zeros in place), as torch's optimizers do."""
+        check_bool("set_to_none", set_to_none)
         for p in self.params:
             if set_to_none:
                 p.grad = None

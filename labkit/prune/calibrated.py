@@ -31,7 +31,7 @@ from labkit.prune.masks import (
 )
 from labkit.quant.gptq import inverse_hessian_factor
 from labkit.quant.model import calibrated_sweep, check_calibration
-from labkit.torchutil import decoder_layers, eval_mode
+from labkit.torchutil import check_bool, check_module, decoder_layers, eval_mode, is_number
 
 Sparsity = float | tuple[int, int]
 
@@ -49,6 +49,10 @@ def _pattern(sparsity: Sparsity) -> tuple[float | None, tuple[int, int] | None]:
 
 def _check_layer(weight: torch.Tensor, hessian: torch.Tensor, nm: tuple[int, int] | None) -> None:
     """A weight [out, in] whose width fits the N:M groups, and its inputs' Hessian [in, in]."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"weight must be a 2-D tensor [out, in], got {getattr(weight, 'shape', weight)!r}")
+    if not isinstance(hessian, torch.Tensor):
+        raise TypeError(f"hessian must be a tensor [in, in], got {type(hessian).__name__}")
     if nm:
         _check_nm_width("weight", weight.shape, *nm)
     if hessian.shape != (weight.shape[1], weight.shape[1]):
@@ -56,8 +60,13 @@ def _check_layer(weight: torch.Tensor, hessian: torch.Tensor, nm: tuple[int, int
 
 
 def _check_block_size(block_size: int, nm: tuple[int, int] | None) -> None:
-    if not isinstance(block_size, int) or block_size < 1 or (nm and block_size % nm[1]):
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1 or (nm and block_size % nm[1]):
         raise ValueError(f"block_size must be a positive int (a multiple of m for N:M), got {block_size!r}")
+
+
+def _check_damp(damp: float) -> None:
+    if not (is_number(damp) and 0 <= damp < 1):
+        raise ValueError(f"damp must be in [0, 1), got {damp!r}")
 
 
 @torch.no_grad()
@@ -89,6 +98,7 @@ def sparsegpt_weight(
     share, nm = _pattern(sparsity)
     _check_layer(weight, hessian, nm)
     _check_block_size(block_size, nm)
+    _check_damp(damp)
     return _sparsegpt(weight, _inverse_factor(hessian, damp, weight), share, nm, block_size)
 
 
@@ -140,12 +150,19 @@ def _check_args(
 ) -> tuple[float | None, tuple[int, int] | None]:
     """Everything a whole-model sweep could trip over, checked before any weight changes; returns the sparsity as
     (share, None) or (None, N:M pattern)."""
+    check_module(model)
     share, nm = _pattern(sparsity)
     check_calibration(model, calibration, "calibrated pruning")
-    if not isinstance(batch_size, int) or batch_size < 1:
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    for name, m in decoder_layers(model).named_modules():
-        if nm and isinstance(m, nn.Linear):
+    linears = [(name, m) for name, m in decoder_layers(model).named_modules() if isinstance(m, nn.Linear)]
+    if not linears:
+        raise ValueError(
+            f"nothing to prune in {type(model).__name__}: calibrated pruning looks for nn.Linear layers inside the "
+            "decoder blocks (GPT-2's Conv1D layers are not supported)"
+        )
+    if nm:
+        for name, m in linears:
             _check_nm_width(name, m.weight.shape, *nm)
     return share, nm
 
@@ -174,9 +191,10 @@ def calibrated_prune(
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     share, nm = _check_args(model, calibration, sparsity, batch_size)
-    if not (isinstance(damp, (int, float)) and 0 <= damp < 1):
-        raise ValueError(f"damp must be in [0, 1), got {damp!r}")
+    _check_damp(damp)
     _check_block_size(block_size, nm)
+    check_bool("permanent", permanent)
+    check_bool("progress", progress)
     masks: dict[str, torch.Tensor] = {}
 
     def solve(names: list[str], modules: list[nn.Linear], hessian: torch.Tensor) -> None:

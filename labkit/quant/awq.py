@@ -22,7 +22,7 @@ from torch import nn
 from labkit.quant.formats import QuantConfig, quantize_rtn
 from labkit.quant.gptq import relative_errors
 from labkit.quant.model import calibrated_sweep, check_calibration
-from labkit.torchutil import eval_mode
+from labkit.torchutil import check_bool, check_int, check_module, decoder_layers, eval_mode
 
 GRID = 20  # α ∈ {0, 1/20, …, 19/20}, as in AWQ
 # Llama-style blocks: the layers that read one input, and the operation whose output that input is. o_proj's
@@ -36,17 +36,44 @@ PREDECESSORS = {
 
 
 def _check_grid(grid: int) -> None:
-    if not isinstance(grid, int) or grid < 1:
+    if not isinstance(grid, int) or isinstance(grid, bool) or grid < 1:
         raise ValueError(f"grid must be a positive int, got {grid!r}")
+
+
+def _check_cfg(cfg: QuantConfig) -> None:
+    if not isinstance(cfg, QuantConfig):
+        raise TypeError(f"cfg must be a QuantConfig, got {type(cfg).__name__}")
+
+
+def _check_layer(weight: torch.Tensor, hessian: torch.Tensor) -> None:
+    """A 2-D weight [out, in] and the square Hessian [in, in] of its inputs."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"weight must be a 2-D tensor [out, in], got {getattr(weight, 'shape', weight)!r}")
+    _check_hessian(hessian)
+    if hessian.shape[0] != weight.shape[1]:
+        raise ValueError(f"hessian must be [{weight.shape[1]}, {weight.shape[1]}], got {tuple(hessian.shape)}")
+
+
+def _check_hessian(hessian: torch.Tensor) -> None:
+    if not isinstance(hessian, torch.Tensor) or hessian.dim() != 2 or hessian.shape[0] != hessian.shape[1]:
+        raise ValueError(f"hessian must be a square 2-D tensor [in, in], got {getattr(hessian, 'shape', hessian)!r}")
 
 
 def activation_scale(hessian: torch.Tensor) -> torch.Tensor:
     """Each input channel's root-mean-square activation, from H = 2 X Xᵀ / n: sqrt(H_jj / 2)."""
+    _check_hessian(hessian)
     return (hessian.diagonal().double() / 2).clamp(min=0).sqrt().float()
 
 
 def scaled_rtn(weight: torch.Tensor, scale: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
     """Q(W·diag(s))·diag(s)⁻¹: what the layer computes once s is folded into its input and W·s is rounded."""
+    _check_cfg(cfg)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"weight must be a 2-D tensor [out, in], got {getattr(weight, 'shape', weight)!r}")
+    if not isinstance(scale, torch.Tensor) or scale.shape != weight.shape[1:]:
+        raise ValueError(
+            f"scale must be a tensor of {weight.shape[1]} input-channel scales, got {getattr(scale, 'shape', scale)!r}"
+        )
     return quantize_rtn(weight * scale, cfg).dequantize() / scale
 
 
@@ -55,6 +82,8 @@ def search_scale(
 ) -> tuple[torch.Tensor, float, list[float]]:
     """The per-input-channel scale s = rms(x)^α (normalized so that max·min = 1) whose scaled RTN has the least
     output error tr(ΔW H ΔWᵀ) on the calibration inputs; returns (s, α, the error at every α tried)."""
+    _check_cfg(cfg)
+    _check_layer(weight, hessian)
     _check_grid(grid)
     w = weight.detach().float()
     act = activation_scale(hessian).clamp(min=1e-8)
@@ -91,6 +120,26 @@ class AWQResult:
     seconds: float = 0.0
 
 
+def _check_scalable(model: nn.Module, cfg: QuantConfig) -> None:
+    """Refuse, before any scale is folded, a model with no layer to scale, a layer without the operation its scale
+    folds into, or a layer width the quantizer's groups do not divide."""
+    found = 0
+    for i, block in enumerate(decoder_layers(model)):
+        named = dict(block.named_modules())
+        for layer, previous in PREDECESSORS.items():
+            if not isinstance(named.get(layer), nn.Linear):
+                continue
+            found += 1
+            if getattr(named.get(previous), "weight", None) is None:
+                raise ValueError(f"block {i} has {layer} but no {previous} with a weight to fold its scale into")
+            cfg.width(named[layer].in_features)  # a group size that does not fit fails here, not after a fold
+    if not found:
+        raise ValueError(
+            f"nothing to scale in {type(model).__name__}: AWQ-style scaling looks for Llama-style linears "
+            f"({', '.join(PREDECESSORS)}) inside the decoder blocks"
+        )
+
+
 @torch.no_grad()
 def _fold(modules: list[nn.Linear], previous: nn.Module, scale: torch.Tensor) -> None:
     """Columns of the layers times s, the output of the operation before them divided by s: the same function."""
@@ -114,10 +163,14 @@ def awq_model(
     """Search and fold activation-aware scales into every decoder block, group by group on `calibration` ([n, T]
     token ids), for the quantizer `cfg` describes. The returned model computes what the source model computes;
     quantize it with `quantize_model(..., method="rtn")` (or GPTQ). The source model is copied unless `inplace`."""
-    if not isinstance(cfg, QuantConfig):
-        raise TypeError(f"cfg must be a QuantConfig, got {type(cfg).__name__}")
+    check_module(model)
+    _check_cfg(cfg)
     check_calibration(model, calibration, "AWQ-style scaling")
     _check_grid(grid)
+    check_int("batch_size", batch_size, minimum=1)
+    check_bool("inplace", inplace)
+    check_bool("progress", progress)
+    _check_scalable(model, cfg)
     if not inplace:
         model = copy.deepcopy(model)
     result = AWQResult(model)

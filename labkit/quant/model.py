@@ -20,7 +20,16 @@ from labkit.data import pack_blocks
 from labkit.evaluate import token_stream
 from labkit.quant.formats import QuantConfig, QuantizedWeight, bits_per_weight, quantize_rtn
 from labkit.quant.gptq import gptq_quantize, relative_errors
-from labkit.torchutil import check_token_ids, decoder_layers, eval_mode, module_name, vocab_size
+from labkit.torchutil import (
+    check_bool,
+    check_int,
+    check_module,
+    check_token_ids,
+    decoder_layers,
+    eval_mode,
+    module_name,
+    vocab_size,
+)
 
 METHODS = ("rtn", "gptq")
 # Calibration tokens per input of the widest layer below which GPTQ fits noise. Measured on SmolLM2's
@@ -34,6 +43,11 @@ TOKENS_PER_INPUT = 4
 
 def calibration_blocks(tokenizer, texts: Sequence[str], n_blocks: int, block_size: int, seed: int = 0) -> torch.Tensor:
     """`n_blocks` random non-overlapping windows of `block_size` tokens from the EOS-joined texts: [n, block_size]."""
+    if isinstance(texts, str):
+        raise TypeError("texts must be a list of texts, got one str: pass [text]")
+    for name, value in (("n_blocks", n_blocks), ("block_size", block_size), ("seed", seed)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int, got {value!r}")
     if n_blocks < 1 or block_size < 2:
         raise ValueError(f"need n_blocks >= 1 and block_size >= 2, got {n_blocks}, {block_size}")
     blocks = pack_blocks(np.asarray(token_stream(tokenizer, list(texts))), block_size)
@@ -47,11 +61,15 @@ def calibration_blocks(tokenizer, texts: Sequence[str], n_blocks: int, block_siz
 
 
 def check_calibration(model: nn.Module, calibration: Any, who: str) -> None:
-    """Calibration must be token ids of `model`'s vocabulary as a [n_blocks, block_size] long tensor."""
+    """Calibration must be token ids of `model`'s vocabulary as a non-empty [n_blocks, block_size] long tensor."""
     if not isinstance(calibration, torch.Tensor) or calibration.dim() != 2 or calibration.dtype != torch.long:
         raise ValueError(
             f"{who} needs calibration token ids as a [n_blocks, block_size] long tensor "
             "(labkit.quant.calibration_blocks makes one)"
+        )
+    if calibration.numel() == 0:
+        raise ValueError(
+            f"{who} needs at least one calibration block of at least one token, got shape {tuple(calibration.shape)}"
         )
     check_token_ids(calibration, vocab_size(model), "calibration ids")
 
@@ -162,14 +180,19 @@ def _input_hessian(
 @torch.no_grad()
 def input_hessian(model: nn.Module, module_name: str, calibration: torch.Tensor, batch_size: int = 8) -> torch.Tensor:
     """H = 2 X Xᵀ / n of the inputs X that one linear layer of the (unquantized) model sees on `calibration`."""
+    check_module(model)
     module = dict(model.named_modules()).get(module_name)
     if not isinstance(module, nn.Linear):
         raise ValueError(f"{module_name!r} is not an nn.Linear of {type(model).__name__}")
+    check_calibration(model, calibration, "input_hessian")
+    check_int("batch_size", batch_size, minimum=1)
     hook = _HessianHook(module)
     try:
         _forward_until_stopped(model, calibration, batch_size)
     finally:
-        hessian, _ = hook.result()
+        hessian, count = hook.result()
+    if count == 0:
+        raise ValueError(f"{module_name!r} saw no input: the model's forward does not reach it")
     return hessian
 
 
@@ -217,12 +240,14 @@ def quantize_model(
     GPTQ fits the calibration tokens and does worse than RTN on other text (lab 07 measures where).
     The source model is copied first unless `inplace=True`.
     """
+    check_module(model)
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if not isinstance(cfg, QuantConfig):
         raise TypeError(f"cfg must be a QuantConfig, got {type(cfg).__name__}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    check_int("batch_size", batch_size, minimum=1)
+    check_bool("inplace", inplace)
+    check_bool("progress", progress)
     layers = decoder_layers(model)
     linears = [m for block in layers for m in block.modules() if isinstance(m, nn.Linear)]
     if not linears:
@@ -232,6 +257,8 @@ def quantize_model(
         )
     for m in linears:
         cfg.width(m.in_features)  # fail before any work if a group size does not fit
+        if not torch.isfinite(m.weight).all():  # or RTN would stop at this layer, the ones before it quantized
+            raise ValueError(f"the weight of {module_name(model, m)} holds NaN or inf values: nothing was quantized")
     tokens = 0
     if method == "gptq":
         check_calibration(model, calibration, "GPTQ")
@@ -308,6 +335,11 @@ def calibrated_sweep(
     model and H = 2 X Xᵀ / n of that input. `solve` may change the weights: the next group's inputs, and the next
     block's, are computed with the changed ones, so each layer corrects for the layers solved before it.
     GPTQ (`quantize_model`), SparseGPT and Wanda (labkit.prune) are such solves."""
+    check_module(model)
+    check_calibration(model, calibration, "the calibrated sweep")
+    if not callable(solve):
+        raise TypeError(f"solve must be callable as solve(names, modules, hessian), got {solve!r}")
+    check_int("batch_size", batch_size, minimum=1)
     layers = decoder_layers(model)
     prefix = module_name(model, layers)
     inputs, kwargs_list = _first_block_inputs(model, layers, calibration, batch_size)
@@ -351,6 +383,8 @@ def _gptq_blocks(result: QuantizedModel, calibration: torch.Tensor, batch_size: 
 
 def weight_bytes(qm: QuantizedModel) -> dict[str, int]:
     """Bytes of the quantized layers as stored packed, against the same layers in fp16 and fp32."""
+    if not isinstance(qm, QuantizedModel):
+        raise TypeError(f"qm must be a QuantizedModel (quantize_model's result), got {type(qm).__name__}")
     packed = sum(
         math.ceil(bits_per_weight(qm.config, q.codes.shape[1], q.codes.shape[0]) * q.codes.numel() / 8)
         for q in qm.weights.values()

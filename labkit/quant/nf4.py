@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from labkit.torchutil import decoder_layers, is_int, module_name
+from labkit.torchutil import check_bool, check_int, check_module, decoder_layers, is_int, module_name
 
 # The outermost quantile used for the grid's ends: midway between 1 - 1/(2·15) and 1 - 1/(2·16) (the two
 # sides have 7 and 8 steps), written to 7 digits as the QLoRA code has it. The grid is computed from this
@@ -83,6 +83,11 @@ def _blocks(flat: torch.Tensor, blocksize: int) -> torch.Tensor:
 def quantize_blockwise(x: torch.Tensor, blocksize: int = SCALE_BLOCKSIZE) -> tuple[torch.Tensor, torch.Tensor]:
     """8-bit codes on the dynamic map for a 1-D float tensor: each block divided by its absmax, each value to
     its nearest code (ties to the lower one). Returns (codes uint8 [n], absmax float32 [blocks])."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a tensor, got {type(x).__name__}")
+    if x.numel() == 0:
+        raise ValueError("x must hold at least one value, got an empty tensor")
+    check_int("blocksize", blocksize, minimum=1)
     flat = x.detach().float().reshape(-1)
     blocks = _blocks(flat, blocksize)
     absmax = blocks.abs().amax(dim=1)
@@ -96,6 +101,17 @@ def quantize_blockwise(x: torch.Tensor, blocksize: int = SCALE_BLOCKSIZE) -> tup
 
 def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, blocksize: int = SCALE_BLOCKSIZE) -> torch.Tensor:
     """The values 8-bit dynamic codes stand for: grid value times its block's absmax."""
+    if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8:
+        raise TypeError(
+            f"codes must be a uint8 tensor (quantize_blockwise's codes), got {getattr(codes, 'dtype', codes)!r}"
+        )
+    check_int("blocksize", blocksize, minimum=1)
+    blocks = math.ceil(codes.numel() / blocksize)
+    if not isinstance(absmax, torch.Tensor) or absmax.shape != (blocks,):
+        raise ValueError(
+            f"absmax must be a tensor of {blocks} block scale(s) for {codes.numel()} codes in blocks of {blocksize}, "
+            f"got {getattr(absmax, 'shape', absmax)!r}"
+        )
     values = _dynamic_grid().to(codes.device)[codes.long()]
     return (_blocks(values, blocksize) * absmax[:, None]).reshape(-1)[: codes.numel()]
 
@@ -129,6 +145,8 @@ class NF4Weight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight the codes stand for: grid value times its block's scale, reshaped."""
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a torch floating-point dtype, got {dtype!r}")
         # one lookup per byte yields both its values: half the gathers of one per code, and no unpacking
         values = torch.nn.functional.embedding(self.packed.int(), _byte_values().to(self.packed.device))
         return values.view(-1, self.blocksize).mul_(self.scales()[:, None]).view(self.shape).to(dtype)
@@ -199,19 +217,30 @@ def quantize_model_nf4(
     progress: bool = True,
 ) -> NF4Model:
     """NF4 for every nn.Linear inside the decoder blocks (embeddings and LM head stay, as in `quantize_model`);
-    each weight is replaced by what its codes stand for. Needs no calibration data."""
+    each weight is replaced by what its codes stand for (all codes are made before any weight is replaced, so a
+    refused weight leaves an `inplace` model as it was). Needs no calibration data."""
+    check_module(model)
+    check_bool("inplace", inplace)
+    check_bool("progress", progress)
     if not inplace:
         model = copy.deepcopy(model)
     layers = decoder_layers(model)
     prefix = module_name(model, layers)
-    weights: dict[str, NF4Weight] = {}
+    linears = {
+        f"{prefix}.{i}.{name}": m
+        for i, block in enumerate(layers)
+        for name, m in block.named_modules()
+        if isinstance(m, nn.Linear)
+    }
+    if not linears:
+        raise ValueError(
+            f"no nn.Linear inside the decoder blocks of {type(model).__name__} "
+            "(GPT-2's Conv1D layers are not supported)"
+        )
     start = time.perf_counter()
-    for i, block in enumerate(tqdm(layers, desc="NF4", disable=not progress, leave=False)):
-        for name, m in block.named_modules():
-            if isinstance(m, nn.Linear):
-                q = quantize_nf4(m.weight, blocksize, double_quant)
-                m.weight.data = q.dequantize(m.weight.dtype).to(m.weight.device)
-                weights[f"{prefix}.{i}.{name}"] = q
-    if not weights:
-        raise ValueError(f"no nn.Linear inside the decoder blocks of {type(model).__name__}")
+    bar = tqdm(linears.items(), desc="NF4", disable=not progress, leave=False)
+    weights = {name: quantize_nf4(m.weight, blocksize, double_quant) for name, m in bar}
+    for name, q in weights.items():
+        m = linears[name]
+        m.weight.data = q.dequantize(m.weight.dtype).to(m.weight.device)
     return NF4Model(model, weights, time.perf_counter() - start)
