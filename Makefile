@@ -11,7 +11,8 @@
 #   make tensorboard         TensorBoard on the runs the labs wrote (lab 10): training curves, hardware series, traces
 #   make tensorboard TB_ARGS="--host 0.0.0.0 --port 6006"   (a cluster node; tunnel the port)
 #   make execute             run every lab top to bottom in a fresh kernel and write it back with its outputs and
-#                            the machine it ran on (a lab that fails is left as it was; its partial run: build/execute/)
+#                            the machine it ran on (a lab that fails is left as it was, its partial run and kernel log
+#                            in build/execute/, and the next one runs; the exit status is 0 only if every lab was written)
 #   make execute EXECUTE_ARGS="--profile cpu labs/06_magnitude_pruning.ipynb"   (one lab, a chosen profile)
 #   make figures             render the README's measured table from results/ and the executed labs
 #                            (docs/measured.md is its template: every figure names its source)
