@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
@@ -28,11 +28,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file, save_model
 from torch import nn
 
-from labkit import assets
+from labkit import fileio
+from labkit.torchutil import rank_and_world
 
 if TYPE_CHECKING:  # for the annotation only: train imports this module
     from labkit.train import TrainConfig
@@ -79,7 +81,7 @@ def save_checkpoint(
         if torch.is_tensor(value)
     }
     rng_tensors, rng_meta = _rng_state()
-    with assets.atomic_directory(dest) as tmp:
+    with fileio.atomic_directory(dest) as tmp:
         save_model(model, str(tmp / "model.safetensors"))  # handles tied weights
         save_file({k: v.contiguous() for k, v in opt_tensors.items()}, str(tmp / "optimizer.safetensors"))
         save_file(rng_tensors, str(tmp / "rng.safetensors"))
@@ -91,8 +93,8 @@ def save_checkpoint(
             "scaler": scaler.state_dict(),
             "rng": rng_meta,
         }
-        assets.atomic_write_text(tmp / "trainer.json", json.dumps(state, indent=1))
-        assets.write_manifest(tmp, source="labkit.train")
+        fileio.atomic_write_text(tmp / "trainer.json", json.dumps(state, indent=1))
+        fileio.write_manifest(tmp, source="labkit.train")
     # Rotation counts back from this step: a newer directory can only be one that resume skipped (corrupt,
     # stray), and counting it would delete the checkpoint just written.
     for _, old in [c for c in checkpoints(directory) if c[0] <= step][: -cfg.keep_checkpoints]:
@@ -127,7 +129,7 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
     one skipped and why; None if there is none; ValueError if there are some and none verifies."""
     skipped = []
     for _, path in reversed(checkpoints(directory)):
-        problem = assets.check_manifest(path)
+        problem = fileio.check_manifest(path)
         if problem is None:
             for bad, why in skipped:
                 warnings.warn(f"skipping checkpoint {bad.name}: {why}; resuming from {path.name}", stacklevel=2)
@@ -158,7 +160,7 @@ def load_checkpoint(
     path = Path(path)
     if not path.exists():
         raise ValueError(f"checkpoint {path} does not exist")
-    problem = assets.check_manifest(path) if path.is_dir() else "it is a file, not a checkpoint directory"
+    problem = fileio.check_manifest(path) if path.is_dir() else "it is a file, not a checkpoint directory"
     if problem:
         raise ValueError(f"checkpoint {path} is unusable: {problem}")
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -239,7 +241,7 @@ def writer_lock(directory: str | Path) -> Iterator[Path]:
 
     A non-blocking flock on LOCK_FILE, into which the holder writes its pid, host, start time and command. The
     kernel drops the lock when the holder dies, SIGKILL included, so a lock file left behind never blocks the next
-    run. Without fcntl (Windows) nothing is locked, as in assets.file_lock.
+    run. Without fcntl (Windows) nothing is locked, as in fileio.file_lock.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -280,6 +282,115 @@ def writer_lock(directory: str | Path) -> Iterator[Path]:
             os.unlink(path)  # still locked: a run that opened the file meanwhile finds it gone and opens a new one
         _held_locks.discard(fd)
         os.close(fd)
+
+
+# ----------------------------------------------------------------------------- resuming a run
+
+# Settings a resume may change: where the outputs go and how progress shows, and how the same arithmetic is
+# carried out (activation checkpointing recomputes identical gradients; compile changes rounding only). Every other
+# setting defines the trajectory, the seed included: it names the run. So does `steps` under a decaying schedule:
+# lr_at divides by steps, so a cosine run of 4 steps continued to 6 follows neither the saved run's learning rates
+# nor a 6-step run's (the rate jumps back up at the resume). Under "constant" it only says where to stop, and
+# extending a run is a resume like any other.
+RESUME_MAY_CHANGE = frozenset(
+    {"checkpoint_dir", "checkpoint_every", "keep_checkpoints", "resume", "log_path", "tensorboard_dir", "progress"}
+    | {"extra", "activation_checkpointing", "compile"}
+)
+
+
+def config_changes(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
+    """What differs, as "name saved (saved) vs now (now)", between a checkpoint's saved config and `cfg` among the
+    settings that define the trajectory: what resuming under `cfg` would silently change."""
+    now = json.loads(json.dumps(asdict(cfg)))  # as the checkpoint holds it: the betas tuple becomes a list
+    free = RESUME_MAY_CHANGE | ({"steps"} if cfg.schedule == "constant" else set())
+    changed = [name for name in now if name not in free and name in saved and saved[name] != now[name]]
+    return [f"{name} {saved[name]!r} (saved) vs {now[name]!r} (now)" for name in changed]
+
+
+_END = object()
+
+
+class DataStream:
+    """Endless micro-batches from a loader, epoch after epoch, with a position a checkpoint can restore.
+
+    Exact resumption needs a seeded sampler (labkit.shards.make_loader's) and a dataset that draws
+    no random numbers. Starting an iterator can draw from the global RNG (DataLoader seeds its
+    workers; a generator wrapping a loader starts it on its first item), so starting, skipping
+    and the first fetch happen with the RNG forked: dropout draws the same masks after a resume.
+    """
+
+    def __init__(self, loader: Iterable, epoch: int = 0, index: int = 0):
+        self.loader, self.epoch, self.index = loader, epoch, index
+        self._it, self._next = None, _END
+
+    def _start(self) -> None:
+        sampler = getattr(self.loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(self.epoch)
+        with torch.random.fork_rng(devices=[]):
+            self._it = iter(self.loader)
+            for _ in range(self.index):  # skip what was consumed before the checkpoint
+                next(self._it)
+            self._next = next(self._it, _END)
+
+    def __next__(self) -> Any:
+        if self._it is None:
+            self._start()
+        if self._next is _END:  # the epoch is over: reshuffle and go on
+            self.epoch, self.index = self.epoch + 1, 0
+            self._start()
+            if self._next is _END:
+                raise ValueError("the loader yields no batches")
+        item, self._next = self._next, next(self._it, _END)
+        self.index += 1
+        return item
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index}
+
+
+@contextlib.contextmanager
+def hold_checkpoint_dir(cfg: TrainConfig, device: torch.device) -> Iterator[None]:
+    """Rank 0, the one that writes, holds cfg.checkpoint_dir's writer lock for the run. Under torchrun every rank
+    learns whether it got it, so that a refusal stops them all instead of leaving the others waiting for rank 0 in
+    DDP's first collective."""
+    if not cfg.checkpoint_dir:
+        yield
+        return
+    rank, world = rank_and_world()
+    with contextlib.ExitStack() as held:
+        failure = None
+        if rank == 0:
+            try:
+                held.enter_context(writer_lock(cfg.checkpoint_dir))
+            except Exception as err:  # any failure: the other ranks must hear of it too
+                failure = err
+        if world > 1:
+            failed = torch.tensor([failure is not None], dtype=torch.int32, device=device)
+            dist.broadcast(failed, src=0)
+            if rank > 0 and failed.item():
+                raise RuntimeError(f"rank 0 could not take checkpoint_dir {cfg.checkpoint_dir}: see its error")
+        if failure is not None:
+            raise failure
+        yield
+
+
+def resume_point(cfg: TrainConfig) -> Path | None:
+    """The checkpoint to resume from (None: start afresh), once its saved configuration is found to match cfg's."""
+    latest = latest_checkpoint(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+    changes = config_changes(saved_config(latest), cfg) if latest is not None else []
+    if changes and cfg.resume == "same-config":
+        raise ValueError(
+            f"checkpoint {latest} was saved by a run with other settings: {'; '.join(changes)}. Resuming would "
+            "continue that run's trajectory under new ones: give this run another checkpoint_dir, or set "
+            'TrainConfig(resume="any-config") to resume anyway'
+        )
+    if changes:
+        warnings.warn(
+            f"resuming from {latest} with changed settings ({'; '.join(changes)}): resume='any-config'",
+            stacklevel=3,  # fit's caller
+        )
+    return latest
 
 
 def kill_when_logged(

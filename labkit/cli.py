@@ -57,7 +57,7 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _shards(args: argparse.Namespace) -> int:
-    from labkit import assets, shards
+    from labkit import assets, fileio, shards
     from labkit.bench import fmt_bytes
     from labkit.data import load_corpus
     from labkit.models import DEFAULT_MODEL, load_tokenizer
@@ -69,11 +69,11 @@ def _shards(args: argparse.Namespace) -> int:
     out = args.output or shards.default_dir()
     if problem := assets.write_access_problem(out):
         raise ValueError(f"{problem}; or write the shards elsewhere (labkit shards DIR) and pass --shards DIR")
-    if problem := assets.destination_problem(out, legacy=shards.is_shard_directory):  # before the corpus loads
+    if problem := fileio.destination_problem(out, legacy=shards.is_shard_directory):  # before the corpus loads
         raise ValueError(problem)
     texts = load_corpus("wiki", "train")[: args.documents]
     tokenizer = load_tokenizer(args.model or DEFAULT_MODEL)
-    with assets.atomic_directory(out, legacy=shards.is_shard_directory) as tmp:  # a job never sees half the shards
+    with fileio.atomic_directory(out, legacy=shards.is_shard_directory) as tmp:  # a job never sees half the shards
         paths = shards.tokenize_to_shards(texts, tokenizer, tmp, shard_tokens=args.shard_tokens)
     tokens = sum(shards.read_shard_info(out / p.name).tokens for p in paths)
     print(
@@ -132,7 +132,7 @@ def _tensorboard(args: argparse.Namespace) -> int:
 
 
 def _slurm(args: argparse.Namespace) -> int:
-    from labkit import assets
+    from labkit import fileio
     from labkit.parallel.slurm import slurm_script
 
     if args.unknown:
@@ -155,7 +155,7 @@ def _slurm(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"-o {args.output} is a directory: give a file name, e.g. {Path(args.output) / 'job.sbatch'}"
             )
-        assets.atomic_write_text(args.output, text)
+        fileio.atomic_write_text(args.output, text)
         print(f"wrote {args.output}; submit it with: sbatch {args.output}")
     else:
         print(text, end="")

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from labkit import assets, profiles
+from labkit import fileio, profiles
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 # what a cell's last expression leaves when it is a plotting call: `[<matplotlib.lines.Line2D at 0x…>]`, `<Axes: …>`
@@ -210,8 +210,8 @@ def execute(
             except (CellExecutionError, CellTimeoutError, RuntimeError) as err:  # RuntimeError: a dead kernel
                 partial = Path(failed_dir) / path.name
                 partial.parent.mkdir(parents=True, exist_ok=True)
-                assets.atomic_write_text(partial, nbformat.writes(nb))
-                assets.atomic_write_bytes(partial.with_suffix(".kernel.log"), log.read_bytes())
+                fileio.atomic_write_text(partial, nbformat.writes(nb))
+                fileio.atomic_write_bytes(partial.with_suffix(".kernel.log"), log.read_bytes())
                 why = _why_stopped(err, started[-1] if started else "?", timeout)
                 raise ExecutionFailed(
                     f"{path}: {why} under profile {profile!r}; the partial run is in {partial} (the kernel's log "
@@ -220,5 +220,5 @@ def execute(
     dropped = tidy(nb)
     seconds = round(time.perf_counter() - start, 1)  # kernel start to last cell: the lab's time for the guide
     nb.metadata["labkit"] = {"executed": {**env.fingerprint(profile), "seconds": seconds}}
-    assets.atomic_write_text(path, nbformat.writes(nb))
+    fileio.atomic_write_text(path, nbformat.writes(nb))
     return dropped

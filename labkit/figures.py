@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from labkit import assets, results
+from labkit import fileio, results
 from labkit.torchutil import as_path, check_int, is_number
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -345,6 +345,6 @@ def update(root: Path = ROOT) -> list[Path]:
     for target in TARGETS:
         new = rendered(target, root, sources)
         if (root / target).read_text(encoding="utf-8") != new:
-            assets.atomic_write_text(root / target, new)
+            fileio.atomic_write_text(root / target, new)
             written.append(target)
     return written

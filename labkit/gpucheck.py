@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from labkit import assets, bench, env, precision, profiles, results
+from labkit import assets, bench, env, fileio, precision, profiles, results
 from labkit.parallel import launch
 from labkit.torchutil import as_path, check_bool, check_int
 
@@ -231,7 +231,7 @@ def gpu_check(output: Path, *, run_labs: bool = True, echo: Callable[[str], None
             goal: {"target": target, "measured": read(report["benchmarks"])} for goal, (target, read) in GOALS.items()
         }
         echo(summary(report))
-    assets.atomic_write_text(output, json.dumps(report, indent=1, default=str))
+    fileio.atomic_write_text(output, json.dumps(report, indent=1, default=str))
     echo(f"wrote {output}")
     return report
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from labkit import assets, bench, tasks, train
+from labkit import bench, fileio, tasks, train
 from labkit.models import count_parameters
 from labkit.torchutil import environ, is_int, is_number, quiet, replace_module
 
@@ -361,7 +361,7 @@ def adapter_difference(peft_model: nn.Module, model: nn.Module) -> float:
 
 def save_adapter(peft_model: nn.Module, dest: str | Path) -> Path:
     """Save a PEFT adapter (adapter_config.json + safetensors) atomically; PeftModel.from_pretrained loads it."""
-    with assets.atomic_directory(dest) as tmp:
+    with fileio.atomic_directory(dest) as tmp:
         peft_model.save_pretrained(tmp, safe_serialization=True)
     return Path(dest)
 

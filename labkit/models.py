@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from labkit import assets
+from labkit import assets, fileio
 from labkit.torchutil import device_of, is_int, seeded
 
 # transformers is imported inside the functions that build a model or tokenizer: its model classes take
@@ -113,15 +113,15 @@ SAVED_MODEL_FILES = (
 
 def is_saved_model(path: str | Path) -> bool:
     """Whether `path` holds a saved model and nothing else (see SAVED_MODEL_FILES): the `legacy` of
-    assets.atomic_directory for model writers, so that re-running a lab replaces what an older labkit saved."""
+    fileio.atomic_directory for model writers, so that re-running a lab replaces what an older labkit saved."""
     names = [p.name for p in Path(path).iterdir()]
     return "config.json" in names and all(any(fnmatch.fnmatchcase(n, f) for f in SAVED_MODEL_FILES) for n in names)
 
 
 def save_model(model: nn.Module, tokenizer: PreTrainedTokenizerBase, dest: str | Path) -> Path:
     """save_pretrained (safetensors) model and tokenizer into `dest` atomically: load_model(dest) reloads it. `dest`
-    must be new, empty or a model labkit saved (assets.atomic_directory refuses anything else)."""
-    with assets.atomic_directory(dest, legacy=is_saved_model) as tmp, _no_progress_bar():
+    must be new, empty or a model labkit saved (fileio.atomic_directory refuses anything else)."""
+    with fileio.atomic_directory(dest, legacy=is_saved_model) as tmp, _no_progress_bar():
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     return Path(dest)

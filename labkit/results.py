@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from labkit import assets, env, profiles
+from labkit import env, fileio, profiles
 from labkit.torchutil import as_path
 
 MIME = "application/vnd.labkit.figures+json"
@@ -72,7 +72,7 @@ def save_run(name: str, figures: dict[str, Any], *, profile: str | None = None, 
     while path.exists():
         n += 1
         path = folder / f"{stamp}-{_host()}~{n}.json"  # '~' sorts after '.': the order of saving
-    return assets.atomic_write_text(path, json.dumps(record, indent=1, ensure_ascii=False) + "\n")
+    return fileio.atomic_write_text(path, json.dumps(record, indent=1, ensure_ascii=False) + "\n")
 
 
 def _check_name(name: str) -> None:

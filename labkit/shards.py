@@ -22,8 +22,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from labkit import bench
-from labkit.assets import atomic_write_bytes, atomic_write_text, cache_dir, sha256_file
+from labkit.assets import cache_dir
 from labkit.data import concat_with_separator, encode_texts
+from labkit.fileio import atomic_write_bytes, atomic_write_text, sha256_file
 from labkit.tokenizer import BPETokenizer
 
 FORMAT = "labkit-shard-v1"
@@ -135,7 +136,7 @@ def write_shards(
 
 def is_shard_directory(path: str | Path) -> bool:
     """Whether `path` holds labkit shards and nothing else: a corpus `labkit shards` wrote before labkit marked the
-    directories it writes, which writing the corpus again may replace (the `legacy` of assets.atomic_directory)."""
+    directories it writes, which writing the corpus again may replace (the `legacy` of fileio.atomic_directory)."""
     entries = list(Path(path).iterdir())
     if not all(p.is_file() and p.suffix in (".bin", ".json") for p in entries):
         return False

@@ -22,7 +22,7 @@ import shutil
 import warnings
 from pathlib import Path
 
-from labkit import assets
+from labkit import fileio
 
 BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
 STUB = 'raise NotImplementedError("exercise: write this part, then run the check below")'
@@ -110,7 +110,7 @@ def build_student(labs: str | Path, dest: str | Path, keep_outputs: bool = False
     import nbformat  # the dev extra's: only the student build needs it
 
     built = {path.name: student_notebook(path, keep_outputs) for path in _notebooks(labs)}  # all checked first
-    with assets.atomic_directory(dest, source=labs, legacy=lambda d: _earlier_build(d, set(built))) as tmp:
+    with fileio.atomic_directory(dest, source=labs, legacy=lambda d: _earlier_build(d, set(built))) as tmp:
         for name, (nb, _) in built.items():
             nbformat.write(nb, str(Path(tmp) / name))
         _copy_scripts(labs, tmp)
@@ -172,8 +172,8 @@ def workspace(labs: str | Path, dest: str | Path, solutions: bool = False) -> di
                 else ""
             )
             continue
-        assets.atomic_write_text(copy, text)
+        fileio.atomic_write_text(copy, text)
         written[path.name] = new
     _copy_scripts(labs, dest)
-    assets.atomic_write_text(manifest_path, json.dumps(written, indent=1, sort_keys=True))
+    fileio.atomic_write_text(manifest_path, json.dumps(written, indent=1, sort_keys=True))
     return report

@@ -28,7 +28,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, trainers
 from tokenizers import models as hf_models
 from tqdm.auto import tqdm
 
-from labkit.assets import atomic_write_text
+from labkit.fileio import atomic_write_text
 
 GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 _split = regex.compile(GPT2_SPLIT)

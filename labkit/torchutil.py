@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 _DECODER_PATHS = ("model.layers", "model.decoder.layers", "gpt_neox.layers", "transformer.h")
@@ -65,6 +66,13 @@ def as_path(name: str, value: Any) -> Path:
     if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
         raise TypeError(f"{name} must be a path (a non-empty str or os.PathLike), got {value!r}")
     return Path(value)
+
+
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size) of the initialized process group, else (0, 1)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 def device_of(device: str | torch.device) -> torch.device:

@@ -14,9 +14,8 @@ import contextlib
 import json
 import math
 import os
-import warnings
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,15 +28,23 @@ from tqdm.auto import tqdm
 
 from labkit import assets, bench, monitor, precision
 from labkit.checkpoint import (
-    latest_checkpoint,
+    DataStream,
+    hold_checkpoint_dir,
     load_checkpoint,
     remove_unfinished,
+    resume_point,
     save_checkpoint,
-    saved_config,
-    writer_lock,
 )
 from labkit.profiler import phase
-from labkit.torchutil import activation_checkpointing, check_token_ids, is_int, is_number, seeded, vocab_size
+from labkit.torchutil import (
+    activation_checkpointing,
+    check_token_ids,
+    is_int,
+    is_number,
+    rank_and_world,
+    seeded,
+    vocab_size,
+)
 
 SCHEDULES = ("cosine", "linear", "constant")
 RESUME_MODES = ("same-config", "any-config")
@@ -109,27 +116,6 @@ class TrainConfig:
             raise ValueError(f"scale_growth_interval must be >= 1, got {self.scale_growth_interval}")
         if self.resume not in RESUME_MODES:
             raise ValueError(f"resume must be one of {RESUME_MODES}, got {self.resume!r}")
-
-
-# Settings a resume may change: where the outputs go and how progress shows, and how the same arithmetic is
-# carried out (activation checkpointing recomputes identical gradients; compile changes rounding only). Every other
-# setting defines the trajectory, the seed included: it names the run. So does `steps` under a decaying schedule:
-# lr_at divides by steps, so a cosine run of 4 steps continued to 6 follows neither the saved run's learning rates
-# nor a 6-step run's (the rate jumps back up at the resume). Under "constant" it only says where to stop, and
-# extending a run is a resume like any other.
-RESUME_MAY_CHANGE = frozenset(
-    {"checkpoint_dir", "checkpoint_every", "keep_checkpoints", "resume", "log_path", "tensorboard_dir", "progress"}
-    | {"extra", "activation_checkpointing", "compile"}
-)
-
-
-def config_changes(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
-    """What differs, as "name saved (saved) vs now (now)", between a checkpoint's saved config and `cfg` among the
-    settings that define the trajectory: what resuming under `cfg` would silently change."""
-    now = json.loads(json.dumps(asdict(cfg)))  # as the checkpoint holds it: the betas tuple becomes a list
-    free = RESUME_MAY_CHANGE | ({"steps"} if cfg.schedule == "constant" else set())
-    changed = [name for name in now if name not in free and name in saved and saved[name] != now[name]]
-    return [f"{name} {saved[name]!r} (saved) vs {now[name]!r} (now)" for name in changed]
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -327,59 +313,7 @@ def stepper(model: nn.Module, loader: Iterable, cfg: TrainConfig) -> Callable[[]
     return step
 
 
-# ----------------------------------------------------------------------------- data position
-
-
-_END = object()
-
-
-class DataStream:
-    """Endless micro-batches from a loader, epoch after epoch, with a position a checkpoint can restore.
-
-    Exact resumption needs a seeded sampler (labkit.shards.make_loader's) and a dataset that draws
-    no random numbers. Starting an iterator can draw from the global RNG (DataLoader seeds its
-    workers; a generator wrapping a loader starts it on its first item), so starting, skipping
-    and the first fetch happen with the RNG forked: dropout draws the same masks after a resume.
-    """
-
-    def __init__(self, loader: Iterable, epoch: int = 0, index: int = 0):
-        self.loader, self.epoch, self.index = loader, epoch, index
-        self._it, self._next = None, _END
-
-    def _start(self) -> None:
-        sampler = getattr(self.loader, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(self.epoch)
-        with torch.random.fork_rng(devices=[]):
-            self._it = iter(self.loader)
-            for _ in range(self.index):  # skip what was consumed before the checkpoint
-                next(self._it)
-            self._next = next(self._it, _END)
-
-    def __next__(self) -> Any:
-        if self._it is None:
-            self._start()
-        if self._next is _END:  # the epoch is over: reshuffle and go on
-            self.epoch, self.index = self.epoch + 1, 0
-            self._start()
-            if self._next is _END:
-                raise ValueError("the loader yields no batches")
-        item, self._next = self._next, next(self._it, _END)
-        self.index += 1
-        return item
-
-    def state(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "index": self.index}
-
-
 # ----------------------------------------------------------------------------- the loop
-
-
-def _data_parallel() -> tuple[int, int]:
-    """(rank, world size) of the initialized process group, else (0, 1)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def fit(model: nn.Module, loader: Iterable, cfg: TrainConfig) -> list[dict[str, Any]]:
@@ -390,7 +324,7 @@ def fit(model: nn.Module, loader: Iterable, cfg: TrainConfig) -> list[dict[str, 
     A run holds cfg.checkpoint_dir for the whole run (checkpoint.writer_lock): a second run into it is refused
     with CheckpointDirBusy naming the first, before it changes anything; the lock of a killed run is released by
     the kernel. A resume first compares the checkpoint's saved configuration with cfg and refuses one saved with
-    other trajectory settings (lr, schedule, seed, ...: see RESUME_MAY_CHANGE), naming them, unless
+    other trajectory settings (lr, schedule, seed, ...: see checkpoint.RESUME_MAY_CHANGE), naming them, unless
     cfg.resume="any-config", which warns and goes on.
 
     Under torchrun (an initialized process group of several ranks) the model is wrapped in
@@ -408,8 +342,8 @@ def fit(model: nn.Module, loader: Iterable, cfg: TrainConfig) -> list[dict[str, 
         if getattr(cfg, name) is not None and (problem := assets.output_path_problem(getattr(cfg, name), is_dir)):
             raise ValueError(f"{name}: {problem}")
     device = next(model.parameters()).device
-    with _checkpoint_dir_held(cfg, device):
-        latest = _resume_point(cfg)
+    with hold_checkpoint_dir(cfg, device):
+        latest = resume_point(cfg)
         was_training = model.training
         turn_off = cfg.activation_checkpointing and not activation_checkpointing(model)
         with seeded(cfg.seed, device):
@@ -421,50 +355,6 @@ def fit(model: nn.Module, loader: Iterable, cfg: TrainConfig) -> list[dict[str, 
                     activation_checkpointing(model, on=False)
 
 
-@contextlib.contextmanager
-def _checkpoint_dir_held(cfg: TrainConfig, device: torch.device) -> Iterator[None]:
-    """Rank 0, the one that writes, holds cfg.checkpoint_dir's writer lock for the run. Under torchrun every rank
-    learns whether it got it, so that a refusal stops them all instead of leaving the others waiting for rank 0 in
-    DDP's first collective."""
-    if not cfg.checkpoint_dir:
-        yield
-        return
-    rank, world = _data_parallel()
-    with contextlib.ExitStack() as held:
-        failure = None
-        if rank == 0:
-            try:
-                held.enter_context(writer_lock(cfg.checkpoint_dir))
-            except Exception as err:  # any failure: the other ranks must hear of it too
-                failure = err
-        if world > 1:
-            failed = torch.tensor([failure is not None], dtype=torch.int32, device=device)
-            dist.broadcast(failed, src=0)
-            if rank > 0 and failed.item():
-                raise RuntimeError(f"rank 0 could not take checkpoint_dir {cfg.checkpoint_dir}: see its error")
-        if failure is not None:
-            raise failure
-        yield
-
-
-def _resume_point(cfg: TrainConfig) -> Path | None:
-    """The checkpoint to resume from (None: start afresh), once its saved configuration is found to match cfg's."""
-    latest = latest_checkpoint(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
-    changes = config_changes(saved_config(latest), cfg) if latest is not None else []
-    if changes and cfg.resume == "same-config":
-        raise ValueError(
-            f"checkpoint {latest} was saved by a run with other settings: {'; '.join(changes)}. Resuming would "
-            "continue that run's trajectory under new ones: give this run another checkpoint_dir, or set "
-            'TrainConfig(resume="any-config") to resume anyway'
-        )
-    if changes:
-        warnings.warn(
-            f"resuming from {latest} with changed settings ({'; '.join(changes)}): resume='any-config'",
-            stacklevel=3,  # fit's caller
-        )
-    return latest
-
-
 def _fit(
     model: nn.Module, loader: Iterable, cfg: TrainConfig, device: torch.device, latest: Path | None
 ) -> list[dict[str, Any]]:
@@ -472,7 +362,7 @@ def _fit(
     if cfg.activation_checkpointing:
         activation_checkpointing(model, on=True)
     model.train()
-    rank, world = _data_parallel()
+    rank, world = rank_and_world()
     step_model = model
     if world > 1:
         step_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)

@@ -9,30 +9,30 @@ from pathlib import Path
 
 import pytest
 
-from labkit import assets
+from labkit import assets, fileio
 from tests.permissions import UMASK_CASES, deny_access, modes, require_nobody, run_as_nobody, snapshot, umask
 
 
 def test_atomic_write_leaves_old_file_when_interrupted(tmp_path, monkeypatch):
     target = tmp_path / "weights.bin"
-    assets.atomic_write_bytes(target, b"old")
+    fileio.atomic_write_bytes(target, b"old")
 
     def fail(*args):
         raise OSError("disk full")
 
     monkeypatch.setattr(os, "fsync", fail)
     with pytest.raises(OSError, match="disk full"):
-        assets.atomic_write_bytes(target, b"new contents")
+        fileio.atomic_write_bytes(target, b"new contents")
     assert target.read_bytes() == b"old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["weights.bin"]  # no temp file left
 
 
 def test_atomic_directory_failure_keeps_previous_and_leaves_no_temp(tmp_path):
     dest = tmp_path / "model"
-    with assets.atomic_directory(dest) as tmp:
+    with fileio.atomic_directory(dest) as tmp:
         (tmp / "a.txt").write_text("v1")
     with pytest.raises(RuntimeError):
-        with assets.atomic_directory(dest) as tmp:
+        with fileio.atomic_directory(dest) as tmp:
             (tmp / "a.txt").write_text("half")
             raise RuntimeError("killed mid-build")
     assert (dest / "a.txt").read_text() == "v1"
@@ -56,7 +56,7 @@ def test_cached_build_builds_once_then_reuses(tmp_path):
     assert assets.cached_build(dest, build, source="test") == dest
     assets.cached_build(dest, build, source="test")
     assert len(calls) == 1
-    manifest = json.loads((dest / assets.MANIFEST).read_text())
+    manifest = json.loads((dest / fileio.MANIFEST).read_text())
     assert manifest["files"]["model.safetensors"]["bytes"] == 1000
 
 
@@ -66,8 +66,8 @@ def test_cached_build_builds_once_then_reuses(tmp_path):
         lambda d: (d / "model.safetensors").write_bytes(b"x" * 500),  # truncated
         lambda d: (d / "model.safetensors").write_bytes(b"y" * 1000),  # same size, corrupted
         lambda d: (d / "config.json").unlink(),  # missing file
-        lambda d: (d / assets.MANIFEST).unlink(),  # interrupted before the manifest
-        lambda d: (d / assets.MANIFEST).write_text("{not json"),
+        lambda d: (d / fileio.MANIFEST).unlink(),  # interrupted before the manifest
+        lambda d: (d / fileio.MANIFEST).write_text("{not json"),
     ],
     ids=["truncated", "corrupted", "missing-file", "no-manifest", "bad-manifest"],
 )
@@ -75,18 +75,18 @@ def test_damaged_cache_entry_is_detected_and_rebuilt(tmp_path, damage, capsys):
     build, calls = _build_counter()
     dest = tmp_path / "entry"
     assets.cached_build(dest, build, source="test")
-    assets._verified.clear()  # a new process: digests are re-checked
+    fileio._verified.clear()  # a new process: digests are re-checked
     damage(dest)
-    assert assets.check_manifest(dest) is not None
+    assert fileio.check_manifest(dest) is not None
     assets.cached_build(dest, build, source="test")
     assert len(calls) == 2
-    assert assets.check_manifest(dest) is None
+    assert fileio.check_manifest(dest) is None
     assert "rebuilding" in capsys.readouterr().out
 
 
 def _edit_manifest(edit):
     def damage(d):
-        path = d / assets.MANIFEST
+        path = d / fileio.MANIFEST
         path.write_text(json.dumps(edit(json.loads(path.read_text()))))
 
     return damage
@@ -118,9 +118,9 @@ def test_valid_json_but_inconsistent_manifest_is_rebuilt(tmp_path, damage, probl
     dest = tmp_path / "entry"
     assets.cached_build(dest, build, source="test")
     damage(dest)
-    assert problem in assets.check_manifest(dest)
+    assert problem in fileio.check_manifest(dest)
     assets.cached_build(dest, build, source="test")
-    assert len(calls) == 2 and assets.check_manifest(dest) is None
+    assert len(calls) == 2 and fileio.check_manifest(dest) is None
     assert "rebuilding" in capsys.readouterr().out
 
 
@@ -174,11 +174,11 @@ def test_model_missing_package_reported_by_status(monkeypatch, tmp_cache):
 
 def test_current_umask_is_read_without_changing_it(monkeypatch):
     with umask(0o027):
-        assert assets.current_umask() == 0o027
+        assert fileio.current_umask() == 0o027
         monkeypatch.setattr(
             assets, "open", lambda *a, **k: (_ for _ in ()).throw(OSError("no /proc")), raising=False
         )  # not Linux: the set-and-restore fallback
-        assert assets.current_umask() == 0o027
+        assert fileio.current_umask() == 0o027
         assert os.umask(0o027) == 0o027  # and the umask is still the one set
 
 
@@ -186,8 +186,8 @@ def test_current_umask_is_read_without_changing_it(monkeypatch):
 def test_atomic_writes_get_the_modes_the_umask_gives(tmp_path, mask, file_mode, dir_mode):
     """mkstemp/mkdtemp create private (0600/0700) entries; a shared course cache must stay readable."""
     with umask(mask):
-        f = assets.atomic_write_text(tmp_path / "f.txt", "x")
-        with assets.atomic_directory(tmp_path / "d") as d:
+        f = fileio.atomic_write_text(tmp_path / "f.txt", "x")
+        with fileio.atomic_directory(tmp_path / "d") as d:
             (d / "sub").mkdir(mode=0o700)
             os.close(os.open(d / "sub" / "private", os.O_CREAT | os.O_WRONLY, 0o600))
             (d / "run.sh").write_text("#!/bin/sh\n")
@@ -199,7 +199,7 @@ def test_atomic_writes_get_the_modes_the_umask_gives(tmp_path, mask, file_mode, 
         "sub": dir_mode,
         "sub/private": file_mode,
         "run.sh": dir_mode,
-        assets.OUTPUT_MARKER: file_mode,
+        fileio.OUTPUT_MARKER: file_mode,
     }
 
 
@@ -236,7 +236,7 @@ def test_cache_entries_get_the_modes_the_umask_gives(tiny_offline_model, mask, f
         "models/.tiny.lock",
         "models/tiny/model.safetensors",
         "models/tiny/tokenizer.json",
-        f"models/tiny/{assets.MANIFEST}",
+        f"models/tiny/{fileio.MANIFEST}",
     } <= found.keys()
     assert found == {name: dir_mode if name in dirs else file_mode for name in found}
 
@@ -245,7 +245,7 @@ def test_a_valid_entry_is_used_without_a_lock_or_any_write(tiny_offline_model):
     dest = assets.offline_model_dir("tiny")
     (dest.parent / ".tiny.lock").unlink()
     before = snapshot(tiny_offline_model)
-    assets._verified.clear()  # a new process: digests are re-checked, still without writing
+    fileio._verified.clear()  # a new process: digests are re-checked, still without writing
     assert assets.offline_model_dir("tiny") == dest
     assert snapshot(tiny_offline_model) == before  # in particular, no lock file
 
@@ -275,7 +275,7 @@ def test_an_unreadable_entry_names_the_file_and_the_fix(tmp_path, monkeypatch):
 
 
 NOBODY_LOADS = """
-from labkit import assets
+from labkit import assets, fileio
 from labkit.models import load_model
 
 source = assets.PackagedFile("labkit", "__init__.py", "pip install labkit")
@@ -312,6 +312,6 @@ def test_atomic_directory_leaves_a_file_in_its_place_alone(tmp_path):
     dest = tmp_path / "notes.txt"
     dest.write_text("keep me")
     with pytest.raises(FileExistsError, match="is a file"):
-        with assets.atomic_directory(dest) as tmp:
+        with fileio.atomic_directory(dest) as tmp:
             (tmp / "x").write_text("new")
     assert dest.read_text() == "keep me" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]

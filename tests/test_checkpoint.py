@@ -152,7 +152,7 @@ def test_checkpoints_get_the_modes_the_umask_gives(tmp_path, mask, file_mode, di
     found = modes(tmp_path / "ck")
     assert (found.pop("."), found.pop(step)) == (dir_mode, dir_mode)
     names = ("model.safetensors", "optimizer.safetensors", "rng.safetensors", "trainer.json", "labkit-manifest.json")
-    assert {f"{step}/{name}" for name in names} <= set(found)  # and whatever marker assets.atomic_directory adds
+    assert {f"{step}/{name}" for name in names} <= set(found)  # and whatever marker fileio.atomic_directory adds
     assert set(found.values()) == {file_mode}
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from labkit import assets
+from labkit import fileio
 from labkit.bench import read_results
 from labkit.checkpoint import LOCK_FILE, CheckpointDirBusy, checkpoints
 from labkit.models import tiny_llama
@@ -105,7 +105,7 @@ def test_a_second_run_is_refused_naming_the_first_which_finishes_unharmed(tmp_pa
         _stop(proc, child)
     assert [r["step"] for r in read_results(tmp_path / "log.jsonl")] == [1, 2, 3, 4, 5, 6]
     assert [s for s, _ in checkpoints(ck)] == [1, 2, 3, 4, 5, 6]
-    assert all(assets.check_manifest(p) is None for _, p in checkpoints(ck))
+    assert all(fileio.check_manifest(p) is None for _, p in checkpoints(ck))
     assert not (ck / LOCK_FILE).exists()  # the run removes its lock file as it ends
 
 

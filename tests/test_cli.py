@@ -11,7 +11,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit import assets, cli
+from labkit import assets, cli, fileio
 
 
 def test_doctor_json(capsys):
@@ -33,7 +33,6 @@ def test_prepare_reports_assets(capsys):
 
 
 def test_prepare_explains_a_missing_package(capsys, monkeypatch, tmp_cache):
-    from labkit import assets
 
     monkeypatch.setitem(
         assets.OFFLINE_MODELS,
@@ -70,7 +69,7 @@ def test_shards_command_writes_the_corpus_where_ddp_train_reads_it(capsys, tmp_p
     assert sum(i.tokens for i in infos) == expected and infos[0].vocab_size == len(tokenizer)  # + one EOS per document
     assert all(i.tokens == 1000 for i in infos[:-1]) and not [p for p in written if p.name.startswith(".")]
     assert f"{len(infos)} shards, {expected:,} tokens of 20 documents" in capsys.readouterr().out
-    (tmp_path / "default" / assets.OUTPUT_MARKER).unlink()  # as a labkit before the marker left it
+    (tmp_path / "default" / fileio.OUTPUT_MARKER).unlink()  # as a labkit before the marker left it
     assert cli.main(["shards", "--documents", "10", "--shard-tokens", "1000"]) == 0  # its own corpus: replaced
     assert "of 10 documents" in capsys.readouterr().out
     assert cli.main(["shards", str(tmp_path / "x"), "--documents", "0"]) == 2

@@ -16,7 +16,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from labkit import assets, cli
+from labkit import cli, fileio
 from tests.permissions import snapshot
 
 BIG = 2 * 2**20  # bytes: more than the whole 1 MiB filesystem
@@ -35,8 +35,8 @@ def full_disk(tmp_path):
     if done.returncode != 0:
         pytest.skip(f"mount -t tmpfs is not permitted here: {done.stderr.strip()}")
     try:
-        assets.atomic_write_bytes(mount / "earlier.bin", b"earlier")
-        with assets.atomic_directory(mount / "model") as tmp:
+        fileio.atomic_write_bytes(mount / "earlier.bin", b"earlier")
+        with fileio.atomic_directory(mount / "model") as tmp:
             save_file({"w": torch.ones(4)}, str(tmp / "model.safetensors"))
         yield mount
     finally:
@@ -44,12 +44,12 @@ def full_disk(tmp_path):
 
 
 def _safetensors_dir(dest: Path) -> None:
-    with assets.atomic_directory(dest) as tmp:
+    with fileio.atomic_directory(dest) as tmp:
         save_file({"w": torch.zeros(BIG // 4)}, str(tmp / "model.safetensors"))
 
 
 def _plain_dir(dest: Path) -> None:
-    with assets.atomic_directory(dest) as tmp:
+    with fileio.atomic_directory(dest) as tmp:
         (tmp / "data.bin").write_bytes(b"x" * BIG)
 
 
@@ -60,8 +60,8 @@ def _entries(path: Path) -> dict[str, tuple[int, int, int]]:
 
 # a writer, and where it writes (an earlier file or directory it would replace, or a new one)
 WRITERS = [
-    pytest.param(lambda p: assets.atomic_write_bytes(p, b"x" * BIG), "earlier.bin", id="atomic-write-over-a-file"),
-    pytest.param(lambda p: assets.atomic_write_bytes(p, b"x" * BIG), "new.bin", id="atomic-write-new-file"),
+    pytest.param(lambda p: fileio.atomic_write_bytes(p, b"x" * BIG), "earlier.bin", id="atomic-write-over-a-file"),
+    pytest.param(lambda p: fileio.atomic_write_bytes(p, b"x" * BIG), "new.bin", id="atomic-write-new-file"),
     pytest.param(_safetensors_dir, "model", id="safetensors-over-a-directory"),
     pytest.param(_safetensors_dir, "new-model", id="safetensors-new-directory"),
     pytest.param(_plain_dir, "model", id="plain-file-over-a-directory"),
@@ -71,7 +71,7 @@ WRITERS = [
 @pytest.mark.parametrize("write, name", WRITERS)
 def test_a_full_disk_is_one_clear_error_and_changes_nothing(full_disk, write, name):
     before = _entries(full_disk)
-    with pytest.raises(assets.DiskFullError) as caught:
+    with pytest.raises(fileio.DiskFullError) as caught:
         write(full_disk / name)
     err = caught.value
     assert isinstance(err, OSError) and err.errno == errno.ENOSPC and err.filename == str(full_disk / name)
@@ -111,13 +111,13 @@ ERRORS = [
 @pytest.mark.parametrize("error, full", ERRORS)
 def test_which_errors_are_a_full_disk(tmp_path, error, full):
     def build():
-        with assets.atomic_directory(tmp_path / "d") as tmp:
+        with fileio.atomic_directory(tmp_path / "d") as tmp:
             (tmp / "part").write_text("half")
             if isinstance(error, RuntimeError):
                 raise error from OSError(errno.ENOSPC, "No space left on device")
             raise error
 
-    with pytest.raises(assets.DiskFullError if full else type(error)) as caught:
+    with pytest.raises(fileio.DiskFullError if full else type(error)) as caught:
         build()
     assert (caught.value.filename == str(tmp_path / "d")) if full else caught.value is error
     assert list(tmp_path.iterdir()) == []

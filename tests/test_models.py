@@ -189,14 +189,14 @@ def test_load_model_names_a_bad_device_before_loading(monkeypatch):
 def test_saving_again_replaces_a_model_an_older_labkit_saved_and_nothing_else(tmp_path):
     """Re-running lab 06 or 07 saves where an older labkit saved without its marker: that model is replaced; a
     folder that also holds someone's notes is refused, with everything in it left as it was."""
-    from labkit import assets
+    from labkit import fileio
 
     tok, dest = _word_tokenizer(), tmp_path / "m"
     models.save_model(models.tiny_llama(), tok, dest)
-    (dest / assets.OUTPUT_MARKER).unlink()
+    (dest / fileio.OUTPUT_MARKER).unlink()
     assert models.is_saved_model(dest)
     models.save_model(models.tiny_llama(), tok, dest)  # no error: its own earlier save
-    (dest / assets.OUTPUT_MARKER).unlink()
+    (dest / fileio.OUTPUT_MARKER).unlink()
     (dest / "notes.txt").write_text("mine")
     before = sorted(p.name for p in dest.iterdir())
     assert not models.is_saved_model(dest)

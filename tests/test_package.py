@@ -15,6 +15,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "labkit"
 
 # Layers, lowest first: a module may import its own layer's modules and any below, never above.
 FOUNDATION = {"torchutil", "profiles", "assets", "precision", "plots", "data", "models", "bench", "flops", "env"}
+FOUNDATION |= {"fileio"}  # files written whole or not at all: what assets, checkpoints and every writer stand on
 FOUNDATION |= {"profiler", "monitor"}  # measurement, like bench: the trainer marks its phases and logs through them
 FOUNDATION |= {"results"}  # where measured figures are stored: one JSON per benchmark run, published lab figures
 SHARED = {"evaluate", "checkpoint", "train"}

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from labkit import assets, shards
+from labkit import fileio, shards
 from tests.permissions import UMASK_CASES, modes, snapshot, umask
 
 
@@ -204,4 +204,4 @@ def test_a_corpus_written_before_directories_were_marked_may_be_replaced(tmp_pat
     dest.mkdir()
     setup(dest)
     assert shards.is_shard_directory(dest) == corpus
-    assert (assets.destination_problem(dest, legacy=shards.is_shard_directory) is None) == corpus
+    assert (fileio.destination_problem(dest, legacy=shards.is_shard_directory) is None) == corpus

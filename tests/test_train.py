@@ -15,14 +15,13 @@ import torch
 
 from labkit import precision, shards
 from labkit.bench import read_results
-from labkit.checkpoint import latest_checkpoint, load_checkpoint, saved_config
+from labkit.checkpoint import config_changes, latest_checkpoint, load_checkpoint, saved_config
 from labkit.data import pad_batch
 from labkit.models import tiny_gpt2, tiny_llama
 from labkit.train import (
     TrainConfig,
     accumulate_gradients,
     as_batch,
-    config_changes,
     fit,
     loss_sum,
     lr_at,
@@ -373,7 +372,7 @@ def test_resume_after_kill_9_continues_the_exact_trajectory(tmp_path):
 
 
 def test_data_stream_rolls_over_epochs_and_restores_position(data):
-    from labkit.train import DataStream
+    from labkit.checkpoint import DataStream
 
     loader = shards.make_loader(data, 16, 64, seed=2)  # 186 blocks: 3 batches per epoch
     stream = DataStream(loader)

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save
 from torch import nn
 
-from labkit import assets
+from labkit import fileio
 
 SCOPES = ("layer", "global")
 
@@ -211,7 +211,7 @@ def save_masks(masks: dict[str, torch.Tensor], path: str | Path) -> Path:
         {name: mask.to(torch.uint8).contiguous().cpu() for name, mask in masks.items()},
         metadata={"format": "labkit.prune keep-masks"},
     )
-    return assets.atomic_write_bytes(path, data)
+    return fileio.atomic_write_bytes(path, data)
 
 
 def load_masks(path: str | Path) -> dict[str, torch.Tensor]:

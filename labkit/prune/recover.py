@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from labkit.checkpoint import DataStream
 from labkit.prune.masks import (
     _check_sparsity,
     apply_masks,
@@ -19,7 +20,7 @@ from labkit.prune.masks import (
     prunable_weights,
     sparsity_report,
 )
-from labkit.train import DataStream, TrainConfig, fit
+from labkit.train import TrainConfig, fit
 
 # ----------------------------------------------------------------------------- sensitivity
 

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from labkit import __version__, assets
+from labkit import __version__, fileio
 from labkit.models import is_saved_model
 from labkit.quant.formats import QuantConfig, QuantizedWeight
 from labkit.quant.model import QuantizedModel
@@ -120,7 +120,7 @@ def save_gptq(qm: QuantizedModel, tokenizer, dest: str | Path, dtype: torch.dtyp
     config = qm.model.config.to_dict()
     config["quantization_config"] = quantization_config(qm)
     config["dtype"] = str(dtype).removeprefix("torch.")
-    with assets.atomic_directory(dest, legacy=is_saved_model) as tmp:
+    with fileio.atomic_directory(dest, legacy=is_saved_model) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
         (tmp / "quantize_config.json").write_text(json.dumps(config["quantization_config"], indent=2))

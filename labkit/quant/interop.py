@@ -16,7 +16,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from labkit import assets
+from labkit import fileio
 from labkit.quant.formats import QuantConfig
 from labkit.torchutil import decoder_layers, environ, quiet, replace_module
 
@@ -74,7 +74,7 @@ def quantize_with_gptqmodel(
         model = GPTQModel.load(str(source), qcfg, device="cuda" if torch.cuda.is_available() else "cpu")
         calib = [{"input_ids": row[None], "attention_mask": torch.ones_like(row)[None]} for row in calibration]
         model.quantize(calib, batch_size=batch_size)
-        with assets.atomic_directory(dest) as tmp:
+        with fileio.atomic_directory(dest) as tmp:
             model.save(str(tmp))
     return Path(dest)
 

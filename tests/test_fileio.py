@@ -17,7 +17,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit import assets, cli, student
+from labkit import assets, cli, fileio, student
 from tests.permissions import snapshot
 
 SOLVED = "def f():\n    # BEGIN SOLUTION\n    return 1\n    # END SOLUTION\n"
@@ -101,7 +101,7 @@ def test_the_student_build_replaces_nothing_or_its_own_builds(tmp_path, setup):
     if setup.startswith("old-"):
         _old_build(out, labs, ran=setup == "old-test-labs-after-a-run")
     assert student.build_student(labs, out) == {"a.ipynb": 1}
-    assert sorted(p.name for p in out.iterdir()) == ["a.ipynb", assets.OUTPUT_MARKER, "scripts"]
+    assert sorted(p.name for p in out.iterdir()) == ["a.ipynb", fileio.OUTPUT_MARKER, "scripts"]
     assert student.STUB in nbformat.read(str(out / "a.ipynb"), as_version=4).cells[0].source
     assert sorted(p.name for p in out.parent.iterdir()) == ["student"]  # no temporary, no old copy left aside
 
@@ -110,14 +110,14 @@ def _manifest_entry(d: Path) -> None:
     """A cache entry or checkpoint an older labkit wrote: a manifest, no marker."""
     d.mkdir()
     (d / "model.safetensors").write_bytes(b"x")
-    assets.write_manifest(d, source="test")
+    fileio.write_manifest(d, source="test")
 
 
 # what is at the destination first -> None if atomic_directory may replace it, else a phrase of the refusal
 DESTINATIONS = [
     pytest.param(lambda d: None, None, id="missing"),
     pytest.param(lambda d: d.mkdir(), None, id="empty"),
-    pytest.param(lambda d: (d.mkdir(), (d / assets.OUTPUT_MARKER).write_text("")), None, id="marked"),
+    pytest.param(lambda d: (d.mkdir(), (d / fileio.OUTPUT_MARKER).write_text("")), None, id="marked"),
     pytest.param(_manifest_entry, None, id="holds-a-labkit-manifest"),
     pytest.param(lambda d: (d.mkdir(), (d / "notes.txt").write_text("x")), "did not write (notes.txt)", id="foreign"),
 ]
@@ -130,19 +130,19 @@ def test_atomic_directory_replaces_only_its_own_directories(tmp_path, setup, ref
     before = (snapshot(tmp_path), _contents(tmp_path))
     if refused:
         with pytest.raises(FileExistsError, match=re.escape(refused)):
-            with assets.atomic_directory(dest) as tmp:
+            with fileio.atomic_directory(dest) as tmp:
                 (tmp / "new").write_text("new")
         assert (snapshot(tmp_path), _contents(tmp_path)) == before
     else:
-        with assets.atomic_directory(dest) as tmp:
+        with fileio.atomic_directory(dest) as tmp:
             (tmp / "new").write_text("new")
-        assert (dest / "new").read_text() == "new" and (dest / assets.OUTPUT_MARKER).is_file()
+        assert (dest / "new").read_text() == "new" and (dest / fileio.OUTPUT_MARKER).is_file()
         assert [p.name for p in tmp_path.iterdir()] == ["d"]
 
 
 def test_a_failed_swap_puts_the_old_directory_back(tmp_path, monkeypatch):
     dest = tmp_path / "d"
-    with assets.atomic_directory(dest) as tmp:
+    with fileio.atomic_directory(dest) as tmp:
         (tmp / "v").write_text("1")
     real, failed = os.replace, []
 
@@ -154,7 +154,7 @@ def test_a_failed_swap_puts_the_old_directory_back(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "replace", replace)
     with pytest.raises(OSError, match="Input/output"):
-        with assets.atomic_directory(dest) as tmp:
+        with fileio.atomic_directory(dest) as tmp:
             (tmp / "v").write_text("2")
     assert (dest / "v").read_text() == "1"
     assert [p.name for p in tmp_path.iterdir()] == ["d"]
@@ -163,7 +163,7 @@ def test_a_failed_swap_puts_the_old_directory_back(tmp_path, monkeypatch):
 def test_a_build_whose_destination_gained_foreign_files_meanwhile_replaces_nothing(tmp_path):
     dest = tmp_path / "d"
     with pytest.raises(FileExistsError, match="did not write"):
-        with assets.atomic_directory(dest) as tmp:
+        with fileio.atomic_directory(dest) as tmp:
             (tmp / "v").write_text("new")
             dest.mkdir()
             (dest / "notes.txt").write_text("written while the build ran")
@@ -176,7 +176,7 @@ def test_a_build_whose_destination_gained_foreign_files_meanwhile_replaces_nothi
 BUILD = """
 import sys, time
 from pathlib import Path
-from labkit import assets
+from labkit import assets, fileio
 
 def build(tmp):
     (Path(tmp) / "part").write_text("half")
@@ -186,7 +186,7 @@ def build(tmp):
 if sys.argv[2] == "cached":
     assets.cached_build(Path(sys.argv[1]), build, source="test")
 else:
-    with assets.atomic_directory(sys.argv[1]) as tmp:
+    with fileio.atomic_directory(sys.argv[1]) as tmp:
         build(tmp)
 """
 
@@ -213,7 +213,7 @@ def test_the_next_build_removes_what_a_killed_build_left(tmp_path, how):
     if how == "cached":
         assets.cached_build(dest, lambda out: (out / "w").write_text("whole"), source="test")
     else:
-        with assets.atomic_directory(dest) as tmp:
+        with fileio.atomic_directory(dest) as tmp:
             (tmp / "w").write_text("whole")
     assert not leftover.exists() and (dest / "w").read_text() == "whole"
 
@@ -224,7 +224,7 @@ def test_the_temporary_of_a_live_concurrent_build_survives_the_next_build(tmp_pa
     _sigkill(killed)
     live, writing = _start_build(dest, "directory")
     try:
-        with assets.atomic_directory(dest) as tmp:
+        with fileio.atomic_directory(dest) as tmp:
             (tmp / "w").write_text("whole")
         assert not leftover.exists()
         assert (writing / "part").read_text() == "half"  # the live build's work is untouched
@@ -257,8 +257,8 @@ def test_the_next_build_removes_only_abandoned_temporaries(tmp_path):
         made[case] = tmp_path / f".entry.{name()}"
         made[case].mkdir()
         (made[case] / "part").write_text("half")
-        when = time.time() - (2 * assets.STALE_SECONDS if untouched else 0)
+        when = time.time() - (2 * fileio.STALE_SECONDS if untouched else 0)
         os.utime(made[case], (when, when))
-    with assets.atomic_directory(tmp_path / "entry") as tmp:
+    with fileio.atomic_directory(tmp_path / "entry") as tmp:
         (tmp / "w").write_text("whole")
     assert {case: not path.exists() for case, path in made.items()} == {c: r for c, (*_, r) in LEFTOVERS.items()}
