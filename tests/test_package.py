@@ -21,6 +21,7 @@ FOUNDATION |= {"results"}  # where measured figures are stored: one JSON per ben
 SHARED = {"evaluate", "checkpoint", "train"}
 TECHNIQUES = {"clean", "tokenizer", "shards", "activations", "parallel", "prune", "quant", "tasks", "lora"}
 TOP = {"checks", "expected", "gpucheck", "student", "execute", "figures", "cli", "__main__"}
+TOP |= {"claims"}  # the sentences a notebook prints about its own measurements, decided from them
 # Technique modules import each other only where one is built on the other.
 BUILT_ON = {
     ("shards", "tokenizer"): "lab 01's shards are tagged with the tokenizer that made them",
