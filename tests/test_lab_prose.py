@@ -79,10 +79,10 @@ BUDGET = {
     "03_gradient_accumulation": 0,
     "04_data_parallelism": 0,
     "05_pipeline_parallelism": 1,
-    "06_magnitude_pruning": 46,
-    "07_gptq_quantization": 31,
-    "08_lora_finetuning": 34,
-    "09_memory_at_scale": 45,
+    "06_magnitude_pruning": 9,
+    "07_gptq_quantization": 3,
+    "08_lora_finetuning": 2,
+    "09_memory_at_scale": 6,
     "10_profiling_and_monitoring": 4,
 }
 
