@@ -31,7 +31,7 @@ from labkit.prune.masks import (
 )
 from labkit.quant.gptq import inverse_hessian_factor
 from labkit.quant.model import calibrated_sweep, check_calibration
-from labkit.torchutil import check_bool, check_module, decoder_layers, eval_mode, is_number
+from labkit.torchutil import check_bool, check_module, decoder_layers, eval_mode, is_int, is_number
 
 Sparsity = float | tuple[int, int]
 
@@ -60,7 +60,7 @@ def _check_layer(weight: torch.Tensor, hessian: torch.Tensor, nm: tuple[int, int
 
 
 def _check_block_size(block_size: int, nm: tuple[int, int] | None) -> None:
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1 or (nm and block_size % nm[1]):
+    if not is_int(block_size) or block_size < 1 or (nm and block_size % nm[1]):
         raise ValueError(f"block_size must be a positive int (a multiple of m for N:M), got {block_size!r}")
 
 
@@ -153,7 +153,7 @@ def _check_args(
     check_module(model)
     share, nm = _pattern(sparsity)
     check_calibration(model, calibration, "calibrated pruning")
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+    if not is_int(batch_size) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     linears = [(name, m) for name, m in decoder_layers(model).named_modules() if isinstance(m, nn.Linear)]
     if not linears:

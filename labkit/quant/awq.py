@@ -22,7 +22,7 @@ from torch import nn
 from labkit.quant.formats import QuantConfig, quantize_rtn
 from labkit.quant.gptq import relative_errors
 from labkit.quant.model import calibrated_sweep, check_calibration
-from labkit.torchutil import check_bool, check_int, check_module, decoder_layers, eval_mode
+from labkit.torchutil import check_bool, check_int, check_module, decoder_layers, eval_mode, is_int
 
 GRID = 20  # α ∈ {0, 1/20, …, 19/20}, as in AWQ
 # Llama-style blocks: the layers that read one input, and the operation whose output that input is. o_proj's
@@ -36,7 +36,7 @@ PREDECESSORS = {
 
 
 def _check_grid(grid: int) -> None:
-    if not isinstance(grid, int) or isinstance(grid, bool) or grid < 1:
+    if not is_int(grid) or grid < 1:
         raise ValueError(f"grid must be a positive int, got {grid!r}")
 
 

@@ -27,6 +27,7 @@ from labkit.torchutil import (
     check_token_ids,
     decoder_layers,
     eval_mode,
+    is_int,
     module_name,
     vocab_size,
 )
@@ -46,7 +47,7 @@ def calibration_blocks(tokenizer, texts: Sequence[str], n_blocks: int, block_siz
     if isinstance(texts, str):
         raise TypeError("texts must be a list of texts, got one str: pass [text]")
     for name, value in (("n_blocks", n_blocks), ("block_size", block_size), ("seed", seed)):
-        if not isinstance(value, int) or isinstance(value, bool):
+        if not is_int(value):
             raise TypeError(f"{name} must be an int, got {value!r}")
     if n_blocks < 1 or block_size < 2:
         raise ValueError(f"need n_blocks >= 1 and block_size >= 2, got {n_blocks}, {block_size}")
