@@ -7,9 +7,10 @@ instead), never a sentence that has become false. Every function prints its sent
 
 A measurement is one number (one run), a sequence of numbers (runs: repeats, seeds, calibration draws) or a
 `bench.Timing`; its center is the median and its spread the range [min, max] over the runs. Two measurements are
-ranked only where their ranges do not overlap, and `compare` never ranks one run against one run: no spread was
-measured to judge the difference against. `ratio` and `share` take a single number as exact (a size, a count):
-pass runs or a Timing for anything noisy. Speeds are reported, never asserted: nothing here raises on an outcome.
+ranked only where their ranges do not overlap, and `compare` ranks one run against one run only beyond a factor
+the caller states: no spread was measured to judge a smaller difference against. `ratio` and `share` take a single
+number as exact (a size, a count): pass runs or a Timing for anything noisy. Speeds are reported, never asserted:
+nothing here raises on an outcome.
 """
 
 from __future__ import annotations
@@ -114,13 +115,41 @@ def compare(
     unit: str = "",
     what: str = "",
     verb: str | None = None,
+    factor: float | None = None,
 ) -> str:
     """Rank two methods only where their ranges do not overlap; the winner comes first with `verb` ("beats", or
-    "is faster than" for times where lower is better), so the verdict holds for the spread the lab measured."""
+    "is faster than" for times where lower is better), so the verdict holds for the spread the lab measured.
+
+    One run each is ranked only where `factor` is given and the two lie more than `factor` times apart: a
+    stated margin that stands in for the spread no one measured (a one-draw perplexity 12x worse is worse)."""
     if not isinstance(lower_is_better, bool):
         raise TypeError(f"lower_is_better must be a bool, got {type(lower_is_better).__name__}")
+    if factor is not None and (
+        isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not 1 < factor < math.inf
+    ):
+        raise ValueError(f"factor must be a finite number above 1, got {factor!r}")
     sa, sb, unit = _spreads(a_name, a, b_name, b, unit)
     on, values = f" on {what}" if what else "", f"{fmt_value(sa.center, unit)} vs {fmt_value(sb.center, unit)}"
+    if sa.runs == sb.runs == 1 and factor is not None:
+        if min(sa.center, sb.center) <= 0:
+            raise ValueError(f"a factor compares positive values, got {sa.center} and {sb.center}")
+        fold = max(sa.center, sb.center) / min(sa.center, sb.center)
+        if fold <= factor:
+            return _said(
+                f"{a_name} and {b_name}{on}, one run each: {values}, {fmt_number(fold, 3)}× apart; not ranked, "
+                f"since one run each is ranked only beyond {factor:g}×"
+            )
+        a_wins = (sa.center < sb.center) == lower_is_better
+        (win, sw), (lose, sl) = ((a_name, sa), (b_name, sb)) if a_wins else ((b_name, sb), (a_name, sa))
+        verb = verb or ("is faster than" if unit == "s" and lower_is_better else "beats")
+        better, values = (
+            "lower" if lower_is_better else "higher",
+            f"{fmt_value(sw.center, unit)} vs {fmt_value(sl.center, unit)}",
+        )
+        return _said(
+            f"{win} {verb} {lose}{on}: {values}, {better} is better, {fmt_number(fold, 3)}× apart (one run each, "
+            f"ranked since the gap is wider than {factor:g}×)"
+        )
     if sa.runs == sb.runs == 1:
         gap = fmt_value(abs(sa.center - sb.center), unit)
         return _said(

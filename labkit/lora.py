@@ -20,7 +20,7 @@ from torch import nn
 
 from labkit import bench, fileio, tasks, train
 from labkit.models import count_parameters
-from labkit.torchutil import environ, is_int, is_number, quiet, replace_module
+from labkit.torchutil import check_int, check_number, environ, is_int, is_number, quiet, replace_module
 
 ALL_LINEAR = "all-linear"
 
@@ -200,6 +200,75 @@ def truncated_updates(model: nn.Module, before: dict[str, torch.Tensor], ranks: 
 # ----------------------------------------------------------------------------- memory and a measured run
 
 
+@dataclass(frozen=True)
+class DecoderShape:
+    """A Llama-style decoder (multi-head attention, gated MLP, RMSNorm, untied embedding and LM head), not built."""
+
+    vocab: int
+    width: int
+    layers: int
+    mlp: int  # the MLP's hidden width
+
+    def __post_init__(self) -> None:
+        for name in ("vocab", "width", "layers", "mlp"):
+            check_int(name, getattr(self, name), minimum=1)
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each linear of one decoder layer, by the name LoRA targets it with."""
+        w, m = self.width, self.mlp
+        names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+        return dict(zip(names, [(w, w)] * 4 + [(w, m), (w, m), (m, w)]))
+
+    @property
+    def linear_params(self) -> int:
+        """The decoder layers' linear weights: what a 4-bit base packs."""
+        return self.layers * sum(i * o for i, o in self.linear_shapes().values())
+
+    @property
+    def n_params(self) -> int:
+        """Every parameter: the linears, embedding and LM head, and the RMSNorm weights (two per layer, one final)."""
+        return self.linear_params + 2 * self.vocab * self.width + (2 * self.layers + 1) * self.width
+
+    def lora_params(self, r: int, targets: str | Sequence[str] = ("q_proj", "v_proj")) -> int:
+        """Trainable numbers of rank-r adapters on `targets` ("all-linear" or linear_shapes names) in every layer."""
+        check_int("r", r, minimum=1)
+        shapes = self.linear_shapes()
+        names = list(shapes) if targets == ALL_LINEAR else targets
+        if isinstance(names, str) or not isinstance(names, Sequence):
+            raise TypeError(f"targets must be {ALL_LINEAR!r} or a sequence of names, got {targets!r}")
+        if not names or any(t not in shapes for t in names):
+            raise ValueError(f"targets must be {ALL_LINEAR!r} or a non-empty list of {list(shapes)}, got {targets!r}")
+        return self.layers * r * sum(sum(shapes[t]) for t in set(names))
+
+
+# Llama-2-7B (Touvron et al., 2023, "Llama 2": 6.74 B parameters): 6,738,415,616 with its RMSNorm weights
+LLAMA2_7B = DecoderShape(vocab=32000, width=4096, layers=32, mlp=11008)
+NF4_BITS = 4.127  # NF4 with double quantization, bits per weight (Dettmers et al., 2023): 4 + 8/64 + 32/(64·256)
+
+
+def finetune_state_bytes(
+    n_params: int, trainable: int, base_bytes: float, *, unquantized_params: int = 0, packed_bits: float = NF4_BITS
+) -> dict[str, int | float]:
+    """Weights + gradients + AdamW state by arithmetic: full fine-tune, LoRA and QLoRA of an n_params model."""
+    # 16 bytes per trained number (weight, gradient, two AdamW moments; or bf16 weight and gradient + fp32 master),
+    # `base_bytes` per frozen one; QLoRA packs all but `unquantized_params` (embedding, LM head, norms): 16 bits
+    for name, count in (("n_params", n_params), ("trainable", trainable), ("unquantized_params", unquantized_params)):
+        check_int(name, count, minimum=int(name == "n_params"))
+    check_number("base_bytes", base_bytes)
+    check_number("packed_bits", packed_bits)
+    if max(trainable, unquantized_params) > n_params or base_bytes <= 0 or not 0 < packed_bits <= 32:
+        raise ValueError(
+            "need trainable and unquantized_params <= n_params, base_bytes > 0 and packed_bits in (0, 32]; got "
+            f"{n_params=}, {trainable=}, {unquantized_params=}, {base_bytes=}, {packed_bits=}"
+        )
+    packed = packed_bits / 8 * (n_params - unquantized_params) + 2 * unquantized_params
+    return {
+        "full fine-tune": 16 * n_params,
+        "LoRA": base_bytes * n_params + 16 * trainable,
+        "QLoRA (4-bit base)": packed + 16 * trainable,
+    }
+
+
 def training_state_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes for training: the weights (packed ones as stored), gradients and AdamW's two moments of the
     trainable parameters. Activations come on top and grow with batch and sequence length."""
@@ -223,6 +292,7 @@ class FinetuneResult:
     eval_loss: float  # mean loss per answer token on the held-out examples
     accuracy: float  # exact match on the held-out examples
     predictions: list[str] = field(repr=False, default_factory=list)
+    step_times: list[float] = field(repr=False, default_factory=list)  # seconds, each step after the first
 
     def row(self, base_parameters: int) -> dict[str, str]:
         """The result as one row of the lab's comparison table."""
@@ -276,6 +346,7 @@ def finetune_and_score(
         eval_loss,
         scored["accuracy"],
         scored["predictions"],
+        seconds,
     )
 
 

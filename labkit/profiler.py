@@ -134,6 +134,11 @@ def breakdown(events: list[dict[str, Any]], side: str = "cpu") -> dict[str, floa
     return {k: v / n / 1e6 for k, v in result.items()}  # trace times are microseconds
 
 
+def step_breakdowns(events: list[dict[str, Any]], side: str = "cpu") -> list[dict[str, float]]:
+    """`breakdown` of each profiled step on its own: the spread over steps that a claim about a share needs."""
+    return [breakdown([e for e in events if "ts" in e and a <= e["ts"] < b], side) for a, b in _step_spans(events)]
+
+
 def device_busy(events: list[dict[str, Any]]) -> float | None:
     """Share of the profiled steps' time in which at least one GPU kernel ran (None: no kernels in the trace)."""
     steps = _step_spans(events)

@@ -85,6 +85,26 @@ def test_one_run_each_reports_the_difference_and_does_not_rank_however_large():
     assert "one run each" in far_apart and "beats" not in far_apart
 
 
+def test_one_run_each_is_ranked_only_beyond_a_stated_factor(capsys):
+    assert compare("magnitude", 576.6, "Wanda", 46.26, lower_is_better=True, what="perplexity", factor=1.5) == (
+        "Wanda beats magnitude on perplexity: 46.26 vs 576.6, lower is better, 12.5× apart "
+        "(one run each, ranked since the gap is wider than 1.5×)"
+    )
+    assert capsys.readouterr().out.startswith("Wanda beats magnitude")
+    assert compare("Wanda", 46.26, "SparseGPT", 39.96, lower_is_better=True, factor=1.5) == (
+        "Wanda and SparseGPT, one run each: 46.26 vs 39.96, 1.16× apart; not ranked, "
+        "since one run each is ranked only beyond 1.5×"
+    )
+    assert compare("A", 3.0, "B", 2.0, lower_is_better=False, factor=1.5).startswith("A and B, one run each")
+    assert compare("A", 3.01, "B", 2.0, lower_is_better=False, factor=1.5).startswith("A beats B: 3.010 vs 2.000")
+
+
+def test_a_factor_leaves_runs_with_a_spread_to_their_ranges():
+    with_factor = compare("A", [1, 2], "B", [1.5, 3], lower_is_better=True, factor=1.01)
+    assert with_factor == compare("A", [1, 2], "B", [1.5, 3], lower_is_better=True)
+    assert "within noise" in with_factor
+
+
 def test_a_single_number_against_runs_is_a_point_ranked_outside_their_range():
     assert compare("fp16", 17.9, "GPTQ", [18.2, 18.3, 18.25], lower_is_better=True, what="perplexity") == (
         "fp16 beats GPTQ on perplexity: 17.90 vs 18.25, lower is better "
@@ -210,6 +230,10 @@ def test_say_prints_the_branch_that_holds(capsys):
         (lambda: say(np.bool_(True), "yes", "no"), TypeError, "bool"),
         (lambda: say(1, "yes", "no"), TypeError, "bool"),
         (lambda: say(True, "", "no"), ValueError, "if_true"),
+        (lambda: compare("A", 1, "B", 2, lower_is_better=True, factor=1.0), ValueError, "above 1"),
+        (lambda: compare("A", 1, "B", 2, lower_is_better=True, factor=float("nan")), ValueError, "above 1"),
+        (lambda: compare("A", 1, "B", 2, lower_is_better=True, factor=True), ValueError, "above 1"),
+        (lambda: compare("A", 0, "B", 2, lower_is_better=True, factor=2), ValueError, "positive values"),
         (lambda: fmt_number(1.0, 0), ValueError, "digits"),
     ],
 )

@@ -88,6 +88,13 @@ def test_breakdown_counts_nested_and_overlapping_events_once():
         profiler.breakdown(events, side="gpu")
     with pytest.raises(ValueError, match="ProfilerStep"):
         profiler.breakdown(events[2:])
+    first, second = profiler.step_breakdowns(events)  # the same events, step by step
+    assert (first["data"], second["data"]) == pytest.approx((100 / 1e6, 50 / 1e6))
+    assert (first["backward"], second["backward"]) == pytest.approx((400 / 1e6, 0.0))
+    assert (first["communication"], second["communication"]) == pytest.approx((0.0, 200 / 1e6))
+    assert first["step"] == second["step"] == pytest.approx(1000 / 1e6)
+    with pytest.raises(ValueError, match="ProfilerStep"):
+        profiler.step_breakdowns(events[2:])
 
 
 def test_device_side_and_busy_share_read_the_gpu_timeline():
