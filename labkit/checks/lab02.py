@@ -13,7 +13,7 @@ from labkit.checks.core import CheckFailed, _call, _passed, goes_on_with
 @goes_on_with(precision.update_loss_scale, "precision.update_loss_scale")
 def check_update_loss_scale(fn: Callable[[float, int, bool, float, float, int], tuple[float, int]]) -> Callable:
     """Lab 02: fn(scale, good_steps, found_inf, growth_factor, backoff_factor, growth_interval) -> (scale, steps)."""
-    exercise = "exercise 02.1 (dynamic loss scaling)"
+    exercise = "exercise 02.2 (dynamic loss scaling)"
     flags = [False, False, False, True, False, False, False, False, True, True, False, False, False]
     scale, good = 2.0**16, 0
     for step, found_inf in enumerate(flags):
@@ -39,7 +39,7 @@ def check_update_loss_scale(fn: Callable[[float, int, bool, float, float, int], 
 @goes_on_with(precision.kept_fraction, "precision.kept_fraction")
 def check_kept_fraction(fn: Callable[[torch.Tensor, torch.dtype, float], float]) -> Callable:
     """Lab 02: fn(values, dtype, scale) is the share of non-zero values still non-zero after scaling and casting."""
-    exercise = "exercise 02.2 (what a format keeps)"
+    exercise = "exercise 02.1 (what a format keeps)"
     values = torch.tensor([1e-3, 1e-6, 1e-8, 3e-9, 1e-10, 2.0, 0.0, -5e-8])
     cases = [(torch.float16, 1.0), (torch.float16, 2.0**10), (torch.bfloat16, 1.0), (torch.float16, 2.0**20)]
     tol = 1e-6  # a share computed as a float32 mean is exact to ~6e-8; two possible answers differ by >= 1/8
