@@ -77,7 +77,7 @@ LAB_LINES = {
         "bpe_docs = kept[: profile.bpe_train_documents]",
         'shard_paths = shards.write_shards(stream, out / "shards", shard_tokens=len(stream) // 4 + 1,',
         "loader = shards.make_loader(shard_paths, profile.block_size, profile.batch_size, seed=0,",
-        "r = shards.loader_throughput(loader, profile.loader_batches, device)",
+        "runs = [shards.loader_throughput(loader, profile.loader_batches, device) for _ in range(3)]",
     ],
     "02_mixed_precision": [
         'paths = shards.tokenize_to_shards(load_corpus("wiki", "train"), tokenizer, data_dir)',
