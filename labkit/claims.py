@@ -130,7 +130,8 @@ def compare(
         raise ValueError(f"factor must be a finite number above 1, got {factor!r}")
     sa, sb, unit = _spreads(a_name, a, b_name, b, unit)
     on, values = f" on {what}" if what else "", f"{fmt_value(sa.center, unit)} vs {fmt_value(sb.center, unit)}"
-    if sa.runs == sb.runs == 1 and factor is not None:
+    one_each = sa.runs == sb.runs == 1
+    if one_each and factor is not None:
         if min(sa.center, sb.center) <= 0:
             raise ValueError(f"a factor compares positive values, got {sa.center} and {sb.center}")
         fold = max(sa.center, sb.center) / min(sa.center, sb.center)
@@ -139,34 +140,26 @@ def compare(
                 f"{a_name} and {b_name}{on}, one run each: {values}, {fmt_number(fold, 3)}× apart; not ranked, "
                 f"since one run each is ranked only beyond {factor:g}×"
             )
-        a_wins = (sa.center < sb.center) == lower_is_better
-        (win, sw), (lose, sl) = ((a_name, sa), (b_name, sb)) if a_wins else ((b_name, sb), (a_name, sa))
-        verb = verb or ("is faster than" if unit == "s" and lower_is_better else "beats")
-        better, values = (
-            "lower" if lower_is_better else "higher",
-            f"{fmt_value(sw.center, unit)} vs {fmt_value(sl.center, unit)}",
-        )
-        return _said(
-            f"{win} {verb} {lose}{on}: {values}, {better} is better, {fmt_number(fold, 3)}× apart (one run each, "
-            f"ranked since the gap is wider than {factor:g}×)"
-        )
-    if sa.runs == sb.runs == 1:
+    elif one_each:
         gap = fmt_value(abs(sa.center - sb.center), unit)
         return _said(
             f"{a_name} and {b_name}{on}, one run each: {values}, a difference of {gap}; not ranked, since one run "
             "measures no spread to judge it against"
         )
-    if overlap(sa, sb):
+    elif overlap(sa, sb):
         ranges = f"{_range(a_name, sa, unit)}, {_range(b_name, sb, unit)}"
         return _said(f"{a_name} and {b_name} are within noise{on}: {values} ({ranges}: the ranges overlap)")
     a_wins = (sa.center < sb.center) == lower_is_better
     (win, sw), (lose, sl) = ((a_name, sa), (b_name, sb)) if a_wins else ((b_name, sb), (a_name, sa))
     verb = verb or ("is faster than" if unit == "s" and lower_is_better else "beats")
     better = "lower" if lower_is_better else "higher"
-    return _said(
-        f"{win} {verb} {lose}{on}: {fmt_value(sw.center, unit)} vs {fmt_value(sl.center, unit)}, {better} is better "
-        f"({_range(win, sw, unit)}, {_range(lose, sl, unit)}: no overlap)"
+    why = (
+        f", {fmt_number(fold, 3)}× apart (one run each, ranked since the gap is wider than {factor:g}×)"
+        if one_each
+        else f" ({_range(win, sw, unit)}, {_range(lose, sl, unit)}: no overlap)"
     )
+    ranked = f"{fmt_value(sw.center, unit)} vs {fmt_value(sl.center, unit)}"
+    return _said(f"{win} {verb} {lose}{on}: {ranked}, {better} is better{why}")
 
 
 def ratio(
