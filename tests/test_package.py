@@ -141,3 +141,27 @@ def test_no_module_is_longer_than_the_limit(module):
 def test_every_module_has_its_test_file(module):
     expected = "test_" + "_".join(module.split(".")[1:]) + ".py"
     assert (Path(__file__).parent / expected).is_file(), f"{module} has no tests/{expected}"
+
+
+def private_imports(source: str) -> list[str]:
+    """The underscore names (dunders aside) that `source` imports from labkit modules: another module's internals."""
+    return [
+        f"{node.module}.{alias.name}"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "labkit"
+        for alias in node.names
+        if alias.name.startswith("_") and not alias.name.startswith("__")
+    ]
+
+
+def test_private_imports_finds_a_planted_one_and_passes_public_names_and_dunders():
+    assert private_imports("from labkit.prune.masks import check_sparsity, _keep_top\nimport labkit._x") == [
+        "labkit.prune.masks._keep_top"
+    ]
+    assert private_imports("from labkit import __version__\nfrom os import _exit") == []
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_module_imports_another_modules_private_names(module):
+    found = private_imports(MODULES[module].read_text(encoding="utf-8"))
+    assert not found, f"{module} imports {found}: make the name public (with a docstring) or keep it in its module"

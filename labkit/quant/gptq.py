@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from labkit.quant.formats import QuantConfig, QuantizedWeight, _check_weight, grid
+from labkit.quant.formats import QuantConfig, QuantizedWeight, check_weight, grid
 
 
 def hessian_error(weight: torch.Tensor, quantized: torch.Tensor, hessian: torch.Tensor) -> float:
@@ -68,7 +68,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: QuantConfig)
     columns of the block; whole blocks are then updated at once (lazy batch updates). Inputs that were
     zero throughout calibration (dead: H_ii = 0) carry no information: their weights are set to 0.
     """
-    _check_weight(weight)
+    check_weight(weight)
     out_features, in_features = weight.shape
     if hessian.shape != (in_features, in_features):
         raise ValueError(f"hessian must be [{in_features}, {in_features}], got {tuple(hessian.shape)}")
