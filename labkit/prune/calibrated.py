@@ -1,6 +1,6 @@
 """Pruning with calibration data, from scratch: Wanda (Sun et al., 2023) and SparseGPT (Frantar & Alistarh, 2023).
 
-Both walk the decoder block by block as GPTQ does (`quant.model.calibrated_sweep`): each group of linear
+Both walk the decoder block by block as GPTQ does (`labkit.calibration.calibrated_sweep`): each group of linear
 layers is pruned on the inputs produced by the layers already pruned, summarized by H = 2 X Xᵀ / n.
 
 - Wanda scores each weight |W_ij| · ‖X_j‖ (‖X_j‖² is H_jj up to a constant) and compares the weights of
@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from labkit.calibration import calibrated_sweep, check_calibration, inverse_hessian_factor
 from labkit.prune.masks import (
     Pruning,
     apply_masks,
@@ -29,8 +30,6 @@ from labkit.prune.masks import (
     drop_smallest,
     keep_top_n_of_m,
 )
-from labkit.quant.gptq import inverse_hessian_factor
-from labkit.quant.model import calibrated_sweep, check_calibration
 from labkit.torchutil import check_bool, check_module, decoder_layers, eval_mode, is_int, is_number
 
 Sparsity = float | tuple[int, int]
