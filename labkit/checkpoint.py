@@ -24,7 +24,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,9 +35,7 @@ from torch import nn
 
 from labkit import fileio
 from labkit.torchutil import rank_and_world
-
-if TYPE_CHECKING:  # for the annotation only: train imports this module
-    from labkit.train import TrainConfig
+from labkit.train_config import TrainConfig
 
 
 def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -18,7 +18,8 @@ FOUNDATION = {"torchutil", "profiles", "assets", "precision", "plots", "data", "
 FOUNDATION |= {"fileio"}  # files written whole or not at all: what assets, checkpoints and every writer stand on
 FOUNDATION |= {"profiler", "monitor"}  # measurement, like bench: the trainer marks its phases and logs through them
 FOUNDATION |= {"results"}  # where measured figures are stored: one JSON per benchmark run, published lab figures
-SHARED = {"evaluate", "checkpoint", "train"}
+SHARED = {"evaluate", "checkpoint", "train", "train_config"}
+SHARED |= {"calibration"}  # the engine under quant and prune, one floor below both: they never import each other
 TECHNIQUES = {"clean", "tokenizer", "shards", "activations", "parallel", "prune", "quant", "tasks", "lora"}
 TOP = {"checks", "expected", "gpucheck", "student", "execute", "figures", "cli", "__main__"}
 TOP |= {"claims"}  # the sentences a notebook prints about its own measurements, decided from them
@@ -27,7 +28,6 @@ BUILT_ON = {
     ("shards", "tokenizer"): "lab 01's shards are tagged with the tokenizer that made them",
     ("lora", "tasks"): "fine-tuning trains and scores on the instruction task",
     ("lora", "quant"): "QLoRA trains adapters on the packed 4-bit base",
-    ("prune", "quant"): "SparseGPT and Wanda sweep the decoder as GPTQ does, SparseGPT with GPTQ's inverse Hessian",
 }
 MAX_LINES = 450
 
@@ -57,10 +57,12 @@ def _runtime_nodes(tree: ast.AST):
         yield from _runtime_nodes(node)
 
 
-def _imports(module: str) -> set[str]:
-    """Every labkit module that `module` imports when it runs, at the top or inside a function."""
+def _imports(module: str, annotations: bool = False) -> set[str]:
+    """Every labkit module that `module` imports when it runs, at the top or inside a function (and with
+    `annotations`, also those imported under `if TYPE_CHECKING:`)."""
     found = set()
-    for node in _runtime_nodes(ast.parse(MODULES[module].read_text(encoding="utf-8"))):
+    tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
+    for node in ast.walk(tree) if annotations else _runtime_nodes(tree):
         if isinstance(node, ast.Import):
             found |= {_resolve(alias.name) for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "labkit":
@@ -69,6 +71,7 @@ def _imports(module: str) -> set[str]:
 
 
 GRAPH = {m: _imports(m) for m in MODULES if m != "labkit"}
+WITH_ANNOTATIONS = {m: _imports(m, annotations=True) for m in GRAPH}  # a cycle there is one too, for a reader
 
 
 def _unit(module: str) -> str:
@@ -112,6 +115,19 @@ def test_labkit_has_no_import_cycle():
     assert _find_cycle(GRAPH) is None, f"import cycle: {' -> '.join(_find_cycle(GRAPH))}"
 
 
+def test_no_cycle_hides_behind_annotation_only_imports():
+    cycle = _find_cycle(WITH_ANNOTATIONS)
+    assert cycle is None, f"import cycle through annotation-only imports: {' -> '.join(cycle)}"
+
+
+def test_quant_and_prune_share_the_calibration_engine_and_never_import_each_other():
+    def uses(a: str, b: str) -> list[tuple[str, str]]:
+        return [(m, n) for m in WITH_ANNOTATIONS if _unit(m) == a for n in WITH_ANNOTATIONS[m] if _unit(n) == b]
+
+    assert not uses("quant", "prune") and not uses("prune", "quant")
+    assert uses("quant", "calibration") and uses("prune", "calibration")
+
+
 def test_every_module_is_placed_in_a_layer():
     layers = FOUNDATION | SHARED | TECHNIQUES | TOP
     assert {_unit(m) for m in GRAPH} <= layers, sorted({_unit(m) for m in GRAPH} - layers)
@@ -141,3 +157,27 @@ def test_no_module_is_longer_than_the_limit(module):
 def test_every_module_has_its_test_file(module):
     expected = "test_" + "_".join(module.split(".")[1:]) + ".py"
     assert (Path(__file__).parent / expected).is_file(), f"{module} has no tests/{expected}"
+
+
+def private_imports(source: str) -> list[str]:
+    """The underscore names (dunders aside) that `source` imports from labkit modules: another module's internals."""
+    return [
+        f"{node.module}.{alias.name}"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "labkit"
+        for alias in node.names
+        if alias.name.startswith("_") and not alias.name.startswith("__")
+    ]
+
+
+def test_private_imports_finds_a_planted_one_and_passes_public_names_and_dunders():
+    assert private_imports("from labkit.prune.masks import check_sparsity, _keep_top\nimport labkit._x") == [
+        "labkit.prune.masks._keep_top"
+    ]
+    assert private_imports("from labkit import __version__\nfrom os import _exit") == []
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_module_imports_another_modules_private_names(module):
+    found = private_imports(MODULES[module].read_text(encoding="utf-8"))
+    assert not found, f"{module} imports {found}: make the name public (with a docstring) or keep it in its module"

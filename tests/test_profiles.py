@@ -54,7 +54,7 @@ def test_describe_lists_every_size():
 @pytest.mark.parametrize("name", list(profiles.PROFILES))
 def test_gptq_calibration_gives_the_default_model_a_well_conditioned_hessian(name):
     """Lab 07 and 08 quantize SmolLM2, whose widest decoder layer (down_proj) has 1536 inputs."""
-    from labkit.quant.model import TOKENS_PER_INPUT
+    from labkit.calibration import TOKENS_PER_INPUT
 
     p = profiles.PROFILES[name]
     assert p.calibration_blocks * p.calibration_block_size >= TOKENS_PER_INPUT * 1536

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from labkit.calibration import input_hessian
 from labkit.models import tiny_llama
 from labkit.prune import calibrated, masks
-from labkit.quant.model import input_hessian
 from tests.numerics import FLOAT64
 from tests.prune_helpers import _logits, _state, _unchanged
 
@@ -102,9 +102,9 @@ def test_sparsegpt_beats_wanda_beats_magnitude_on_held_out_output_error():
 
 @pytest.mark.model
 def test_on_the_default_model_sparsegpt_beats_wanda_beats_magnitude_on_a_held_out_layer_error(default_model):
+    from labkit.calibration import calibration_blocks
     from labkit.data import load_corpus
     from labkit.quant.gptq import hessian_error
-    from labkit.quant.model import calibration_blocks
 
     model, tokenizer = default_model
     name = "model.layers.3.self_attn.q_proj"

@@ -21,7 +21,8 @@ class NotWritten(CheckFailed):
     """The exercise still raises NotImplementedError: the student build's stub, not yet replaced."""
 
 
-def _call(exercise: str, fn: Callable, *args: Any) -> Any:
+def call_answer(exercise: str, fn: Callable, *args: Any) -> Any:
+    """The student's function called on one case; the student build's unwritten stub raises NotWritten."""
     if not callable(fn):
         raise CheckFailed(f"{exercise}: expected a function, got {type(fn).__name__}")
     try:
@@ -77,14 +78,15 @@ def reveal(what: str, prediction: Any, measured: Any, unit: str = "") -> None:
     print(line)
 
 
-def _rows(got: Any, kind: type) -> Any:
+def as_rows(got: Any, kind: type) -> Any:
     """A list of sequences as a list of `kind` (tuple or list), for comparing; anything else unchanged."""
     if isinstance(got, (list, tuple)) and all(isinstance(x, (list, tuple)) for x in got):
         return [kind(x) for x in got]
     return got
 
 
-def _passed(exercise: str, cases: int) -> str:
+def report_passed(exercise: str, cases: int) -> str:
+    """Print and return the line a check ends with when every case passed."""
     message = f"{exercise}: passed ({cases} cases)"
     print(message)
     return message

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from labkit import bench, evaluate
-from labkit.checks.core import CheckFailed, _call, _passed, goes_on_with
+from labkit.checks.core import CheckFailed, call_answer, goes_on_with, report_passed
 
 
 class _SimulatedGPU:
@@ -46,7 +46,7 @@ def check_median_time(fn: Callable[..., float]) -> Callable:
         reference = _SimulatedGPU(durations)
         expected = _median_time(reference.fn, reference.sync, reference.clock, warmup, repeats)
         device = _SimulatedGPU(durations)
-        got = _call(exercise, fn, device.fn, device.sync, device.clock, warmup, repeats)
+        got = call_answer(exercise, fn, device.fn, device.sync, device.clock, warmup, repeats)
         if device.calls != warmup + repeats:
             raise CheckFailed(
                 f"{exercise}: call the work warmup + repeats = {warmup + repeats} times, "
@@ -70,7 +70,7 @@ def check_median_time(fn: Callable[..., float]) -> Callable:
                 f"{exercise}: calls taking {durations} s, warmup={warmup}, repeats={repeats}: "
                 f"expected median {expected:.6g} s, got {got!r}; hint: {hint}"
             )
-    return _passed(exercise, len(cases))
+    return report_passed(exercise, len(cases))
 
 
 @goes_on_with(evaluate.windows, "evaluate.windows")
@@ -81,7 +81,7 @@ def check_windows(fn: Callable[[int, int, int], list[tuple[int, int, int]]]) -> 
     cases = [(10, 4, 4), (10, 4, 2), (9, 4, 3), (3, 8, 8), (12, 6, 1), (2, 2, 2)]
     for n, max_length, stride in cases:
         expected = evaluate.windows(n, max_length, stride)
-        got = _call(exercise, fn, n, max_length, stride)
+        got = call_answer(exercise, fn, n, max_length, stride)
         triples = isinstance(got, (list, tuple)) and all(isinstance(w, (list, tuple)) and len(w) == 3 for w in got)
         got = [tuple(w) for w in got] if triples else got
         if got != expected:
@@ -100,4 +100,4 @@ def check_windows(fn: Callable[[int, int, int], list[tuple[int, int, int]]]) -> 
                 f"{exercise}: n_tokens={n}, max_length={max_length}, stride={stride}: expected "
                 f"{expected}, got {got}; hint: {hint}"
             )
-    return _passed(exercise, len(cases))
+    return report_passed(exercise, len(cases))

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import numpy as np
 
 from labkit import data, tokenizer
-from labkit.checks.core import CheckFailed, _call, _passed, _rows, goes_on_with
+from labkit.checks.core import CheckFailed, as_rows, call_answer, goes_on_with, report_passed
 
 
 def _merge_overlapping(word: tuple[int, ...], a: int, b: int, new: int) -> tuple[int, ...]:
@@ -39,7 +39,7 @@ def check_merge_pair(fn: Callable[[tuple[int, ...], int, int, int], tuple[int, .
     }
     for word, a, b, new in cases:
         expected = tokenizer.merge_pair(word, a, b, new)
-        got = _call(exercise, fn, word, a, b, new)
+        got = call_answer(exercise, fn, word, a, b, new)
         got = tuple(got) if isinstance(got, (tuple, list)) else got
         if got != expected:
             hint = next(
@@ -49,7 +49,7 @@ def check_merge_pair(fn: Callable[[tuple[int, ...], int, int, int], tuple[int, .
             raise CheckFailed(
                 f"{exercise}: merging {(a, b)} -> {new} in {word} should give {expected}, got {got}; hint: {hint}"
             )
-    return _passed(exercise, len(cases))
+    return report_passed(exercise, len(cases))
 
 
 def _pack_blocks(stream: list[int], size: int) -> list[list[int]]:
@@ -64,8 +64,8 @@ def check_pack_blocks(fn: Callable[[list[int], int], list[list[int]]]) -> Callab
     cases = [(list(range(10)), 4), (list(range(8)), 4), (list(range(5)), 5), (list(range(7)), 1)]
     for stream, size in cases:
         expected = _pack_blocks(stream, size)
-        got = _call(exercise, fn, list(stream), size)
-        got = _rows(got, list)
+        got = call_answer(exercise, fn, list(stream), size)
+        got = as_rows(got, list)
         if got != expected:
             if isinstance(got, list) and got[: len(expected)] == expected and len(got) > len(expected):
                 hint = (
@@ -78,4 +78,4 @@ def check_pack_blocks(fn: Callable[[list[int], int], list[list[int]]]) -> Callab
                 f"{exercise}: a stream of {len(stream)} tokens in blocks of {size}: expected "
                 f"{expected}, got {got}; hint: {hint}"
             )
-    return _passed(exercise, len(cases))
+    return report_passed(exercise, len(cases))

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 from labkit import precision
-from labkit.checks.core import CheckFailed, _call, _passed, goes_on_with
+from labkit.checks.core import CheckFailed, call_answer, goes_on_with, report_passed
 
 
 @goes_on_with(precision.update_loss_scale, "precision.update_loss_scale")
@@ -18,7 +18,7 @@ def check_update_loss_scale(fn: Callable[[float, int, bool, float, float, int], 
     scale, good = 2.0**16, 0
     for step, found_inf in enumerate(flags):
         expected = precision.update_loss_scale(scale, good, found_inf, 2.0, 0.5, 3)
-        got = _call(exercise, fn, scale, good, found_inf, 2.0, 0.5, 3)
+        got = call_answer(exercise, fn, scale, good, found_inf, 2.0, 0.5, 3)
         if not isinstance(got, tuple) or len(got) != 2:
             raise CheckFailed(f"{exercise}: return (new_scale, new_good_steps), got {got!r}")
         if (float(got[0]), int(got[1])) != expected:
@@ -33,7 +33,7 @@ def check_update_loss_scale(fn: Callable[[float, int, bool, float, float, int], 
                 f"expected {expected}, got {got}; hint: {hint}"
             )
         scale, good = expected
-    return _passed(exercise, len(flags))
+    return report_passed(exercise, len(flags))
 
 
 @goes_on_with(precision.kept_fraction, "precision.kept_fraction")
@@ -45,7 +45,7 @@ def check_kept_fraction(fn: Callable[[torch.Tensor, torch.dtype, float], float])
     tol = 1e-6  # a share computed as a float32 mean is exact to ~6e-8; two possible answers differ by >= 1/8
     for dtype, scale in cases:
         expected = precision.kept_fraction(values, dtype, scale)
-        got = _call(exercise, fn, values.clone(), dtype, scale)
+        got = call_answer(exercise, fn, values.clone(), dtype, scale)
         if not isinstance(got, (int, float)) or abs(got - expected) > tol:
             unscaled = precision.kept_fraction(values, dtype, 1.0)
             with_zero = ((values * scale).to(dtype) != 0).float().mean().item()
@@ -58,4 +58,4 @@ def check_kept_fraction(fn: Callable[[torch.Tensor, torch.dtype, float], float])
             raise CheckFailed(
                 f"{exercise}: {dtype}, scale {scale:g}: expected {expected:.4f}, got {got!r}; hint: {hint}"
             )
-    return _passed(exercise, len(cases))
+    return report_passed(exercise, len(cases))

@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable
 
 from labkit import train
-from labkit.checks.core import CheckFailed, _call, _passed, goes_on_with
+from labkit.checks.core import CheckFailed, call_answer, goes_on_with, report_passed
 
 
 @goes_on_with(train.loss_divisors, "train.loss_divisors")
@@ -16,7 +16,7 @@ def check_loss_divisors(fn: Callable[[list[int]], list[int]]) -> Callable:
     cases = [[100, 100], [300, 20, 80, 1], [7], [0, 5, 5]]
     for counts in cases:
         expected = train.loss_divisors(counts)
-        got = _call(exercise, fn, list(counts))
+        got = call_answer(exercise, fn, list(counts))
         if list(got) != expected:
             wrong = train.loss_divisors(counts, "per_microbatch_mean")
             hint = (
@@ -26,7 +26,7 @@ def check_loss_divisors(fn: Callable[[list[int]], list[int]]) -> Callable:
                 else "one divisor per micro-batch; the big batch's loss is a mean over all of its target tokens"
             )
             raise CheckFailed(f"{exercise}: token counts {counts} need divisors {expected}, got {got}; hint: {hint}")
-    return _passed(exercise, len(cases))
+    return report_passed(exercise, len(cases))
 
 
 def _cosine(
@@ -70,7 +70,7 @@ def check_lr_at(fn: Callable[[int, int, int, float, float], float]) -> Callable:
     }
     for steps, warmup, lr, min_lr in configs:
         expected = [_lr_at_step(step, steps, warmup, lr, min_lr) for step in range(steps)]
-        got = [_call(exercise, fn, step, steps, warmup, lr, min_lr) for step in range(steps)]
+        got = [call_answer(exercise, fn, step, steps, warmup, lr, min_lr) for step in range(steps)]
         bad = [
             i
             for i, (g, e) in enumerate(zip(got, expected))
@@ -94,4 +94,4 @@ def check_lr_at(fn: Callable[[int, int, int, float, float], float]) -> Callable:
                 f"{exercise}: steps={steps}, warmup_steps={warmup}, lr={lr:g}, min_lr={min_lr:g}: "
                 f"step {i} should get {expected[i]:.6g}, got {got[i]!r}; hint: {hint}"
             )
-    return _passed(exercise, len(configs))
+    return report_passed(exercise, len(configs))

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from labkit.checks.core import CheckFailed, _call, _passed, goes_on_with
+from labkit.checks.core import CheckFailed, call_answer, goes_on_with, report_passed
 from labkit.parallel import ring
 
 
@@ -31,7 +31,7 @@ def _first_wrong_chunk(
 ) -> tuple[Any, tuple[int, int] | None]:
     """Run a ring-step answer on a copy of `chunks`; return its result and the first (rank, chunk) it got wrong."""
     world = len(chunks)
-    got = _call(exercise, fn, [[t.clone() for t in row] for row in chunks], step)
+    got = call_answer(exercise, fn, [[t.clone() for t in row] for row in chunks], step)
     if (
         not isinstance(got, (list, tuple))
         or len(got) != world
@@ -69,7 +69,7 @@ def check_reduce_scatter_step(fn: Callable[[list[list[torch.Tensor]], int], list
                 f"{exercise}: {world} ranks, step {step}: rank {r}'s chunk {c} should be "
                 f"{expected[r][c].tolist()}, got {got[r][c].tolist()}; hint: {hint}"
             )
-    return _passed(exercise, len(cases))
+    return report_passed(exercise, len(cases))
 
 
 def _all_gather_step(chunks: list[list[torch.Tensor]], step: int) -> list[list[torch.Tensor]]:
@@ -101,4 +101,4 @@ def check_all_gather_step(fn: Callable[[list[list[torch.Tensor]], int], list[lis
                 f"{exercise}: {world} ranks, all-gather step {step}: rank {r}'s chunk {c} should be "
                 f"{expected[r][c].tolist()}, got {got[r][c].tolist()}; hint: {hint}"
             )
-    return _passed(exercise, len(cases))
+    return report_passed(exercise, len(cases))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from labkit.checks.core import CheckFailed, _call, _passed, _rows, goes_on_with
+from labkit.checks.core import CheckFailed, as_rows, call_answer, goes_on_with, report_passed
 from labkit.parallel import pipeline
 
 
@@ -21,8 +21,8 @@ def check_1f1b_order(fn: Callable[[int, int, int], list[tuple[str, int]]]) -> Ca
     cases = [(0, 2, 4), (1, 2, 4), (0, 4, 8), (2, 4, 8), (3, 4, 8), (0, 4, 2), (0, 1, 3)]
     for stage, stages, m in cases:
         expected = _one_f_one_b(stage, stages, m)
-        got = _call(exercise, fn, stage, stages, m)
-        got = _rows(got, tuple)
+        got = call_answer(exercise, fn, stage, stages, m)
+        got = as_rows(got, tuple)
         if got != expected:
             if got == pipeline.schedule_order("gpipe", stage, stages, m):
                 hint = "that is GPipe (all forwards first); 1F1B starts backwards after a few warm-up forwards"
@@ -37,7 +37,7 @@ def check_1f1b_order(fn: Callable[[int, int, int], list[tuple[str, int]]]) -> Ca
                 f"{exercise}: stage {stage} of {stages}, {m} micro-batches: expected {expected}, "
                 f"got {got}; hint: {hint}"
             )
-    return _passed(exercise, len(cases))
+    return report_passed(exercise, len(cases))
 
 
 @goes_on_with(pipeline.bubble_fraction, "pipeline.bubble_fraction")
@@ -55,7 +55,7 @@ def check_bubble_fraction(fn: Callable[[list[dict[str, Any]]], float]) -> Callab
     cases = [two_stages, shifted, busy]
     for events in cases:
         expected = pipeline.bubble_fraction(events)
-        got = _call(exercise, fn, [dict(e) for e in events])
+        got = call_answer(exercise, fn, [dict(e) for e in events])
         if not isinstance(got, (int, float)) or abs(got - expected) > 1e-9:
             ranks = len({e["rank"] for e in events})
             span = max(e["end"] for e in events) - min(e["start"] for e in events)
@@ -70,4 +70,4 @@ def check_bubble_fraction(fn: Callable[[list[dict[str, Any]]], float]) -> Callab
             else:
                 hint = "1 − (sum of event durations) / (number of ranks × (last end − first start))"
             raise CheckFailed(f"{exercise}: expected {expected:.4f}, got {got!r}; hint: {hint}")
-    return _passed(exercise, len(cases))
+    return report_passed(exercise, len(cases))

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 from labkit import prune
-from labkit.checks.core import CheckFailed, _call, _passed, goes_on_with
+from labkit.checks.core import CheckFailed, call_answer, goes_on_with, report_passed
 
 
 def _groups_topk(scores: torch.Tensor, n: int, m: int) -> torch.Tensor:
@@ -46,7 +46,7 @@ def check_nm_mask(fn: Callable[[torch.Tensor, int, int], torch.Tensor]) -> Calla
     }
     for weight, n, m in cases:
         expected = _nm_mask(weight, n, m)
-        got = _call(exercise, fn, weight.clone(), n, m)
+        got = call_answer(exercise, fn, weight.clone(), n, m)
         if not isinstance(got, torch.Tensor) or got.shape != weight.shape:
             raise CheckFailed(
                 f"{exercise}: return a mask of the weight's shape {tuple(weight.shape)}, "
@@ -64,7 +64,7 @@ def check_nm_mask(fn: Callable[[torch.Tensor, int, int], torch.Tensor]) -> Calla
                 f"{exercise}: {n}:{m} mask of row {row} = {[round(v, 3) for v in weight[row].tolist()]} "
                 f"should be {expected[row].int().tolist()}, got {got[row].int().tolist()}; hint: {hint}"
             )
-    return _passed(exercise, len(cases))
+    return report_passed(exercise, len(cases))
 
 
 def _overall_sparsity(layers: list[tuple[int, int]]) -> float:
@@ -79,7 +79,7 @@ def check_overall_sparsity(fn: Callable[[list[tuple[int, int]]], float]) -> Call
     cases = [[(50, 100), (0, 100)], [(10, 10), (0, 990)], [(0, 7)], [(3, 4), (1, 4), (0, 8)]]
     for layers in cases:
         expected = _overall_sparsity(layers)
-        got = _call(exercise, fn, list(layers))
+        got = call_answer(exercise, fn, list(layers))
         if not isinstance(got, (int, float)) or abs(got - expected) > 1e-12:
             mean_of_layers = sum(z / p for z, p in layers) / len(layers)
             hint = (
@@ -91,4 +91,4 @@ def check_overall_sparsity(fn: Callable[[list[tuple[int, int]]], float]) -> Call
             raise CheckFailed(
                 f"{exercise}: layers (zeros, params) {layers}: expected {expected:.4f}, got {got!r}; hint: {hint}"
             )
-    return _passed(exercise, len(cases))
+    return report_passed(exercise, len(cases))

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 from labkit import quant
-from labkit.checks.core import CheckFailed, _call, _passed, goes_on_with
+from labkit.checks.core import CheckFailed, call_answer, goes_on_with, report_passed
 
 
 def _column_case(seed: int, rows: int = 6, cols: int = 5, bits: int = 3):
@@ -32,7 +32,7 @@ def check_gptq_column(fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> C
         expected_block = block.clone()
         expected_q, expected_err = quant.quantize_column(expected_block, i, u, scale, zero, maxq)
         got_block = block.clone()
-        result = _call(exercise, fn, got_block, i, u, scale.clone(), zero.clone(), maxq)
+        result = call_answer(exercise, fn, got_block, i, u, scale.clone(), zero.clone(), maxq)
         if not isinstance(result, (tuple, list)) or len(result) != 2:
             raise CheckFailed(f"{exercise}: return a pair (codes, error), got {type(result).__name__}")
         q, err = result
@@ -70,7 +70,7 @@ def check_gptq_column(fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> C
                 f"{exercise}: {where}: the columns after {i} are wrong (largest difference "
                 f"{(got_block - expected_block).abs().max():.3g}); hint: {hint}"
             )
-    return _passed(exercise, len(cases))
+    return report_passed(exercise, len(cases))
 
 
 def _pack_nibbles(codes: list[int]) -> list[int]:
@@ -86,7 +86,7 @@ def check_pack_nibbles(fn: Callable[[list[int]], list[int]]) -> Callable:
     cases = [list(range(8)), [15] * 8, [0] * 16, torch.randint(0, 16, (32,), generator=g).tolist()]
     for codes in cases:
         expected = _pack_nibbles(codes)
-        got = _call(exercise, fn, list(codes))
+        got = call_answer(exercise, fn, list(codes))
         if not isinstance(got, (list, tuple)) or len(got) != len(codes) // 8:
             raise CheckFailed(
                 f"{exercise}: {len(codes)} codes make {len(codes) // 8} words, got "
@@ -106,4 +106,4 @@ def check_pack_nibbles(fn: Callable[[list[int]], list[int]]) -> Callable:
                 f"{exercise}: codes {codes[8 * k : 8 * k + 8]} should pack to {expected[k]:#010x}, got "
                 f"{got[k]:#010x}; hint: {hint}"
             )
-    return _passed(exercise, len(cases))
+    return report_passed(exercise, len(cases))

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 from labkit import lora
-from labkit.checks.core import CheckFailed, _call, _passed, goes_on_with
+from labkit.checks.core import CheckFailed, call_answer, goes_on_with, report_passed
 
 
 def _adapted(
@@ -54,7 +54,7 @@ def check_lora_forward(fn: Callable[..., torch.Tensor]) -> Callable:
             layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=g))
         x = torch.randn(*batch, d_in, generator=g)
         expected = layer(x).detach()
-        got = _call(
+        got = call_answer(
             exercise,
             fn,
             x,
@@ -81,7 +81,7 @@ def check_lora_forward(fn: Callable[..., torch.Tensor]) -> Callable:
                 f"{exercise}: wrong output for x {tuple(x.shape)}, in={d_in}, out={d_out}, r={r} "
                 f"(largest difference {(got - expected).abs().max():.3g}); hint: {hint}"
             )
-    return _passed(exercise, len(shapes))
+    return report_passed(exercise, len(shapes))
 
 
 @goes_on_with(_merge_lora, "lora.LoRALinear.merged")
@@ -95,7 +95,7 @@ def check_lora_merge(fn: Callable[..., torch.Tensor]) -> Callable:
             layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=g))
         weight, a, b = layer.base.weight.detach(), layer.lora_A.detach(), layer.lora_B.detach()
         expected = layer.merged().weight.detach()
-        got = _call(exercise, fn, weight.clone(), a, b, layer.alpha, r)
+        got = call_answer(exercise, fn, weight.clone(), a, b, layer.alpha, r)
         if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
             raise CheckFailed(
                 f"{exercise}: the merged weight has the base weight's shape {tuple(expected.shape)}, "
@@ -111,4 +111,4 @@ def check_lora_merge(fn: Callable[..., torch.Tensor]) -> Callable:
                 f"{exercise}: in={d_in}, out={d_out}, r={r}: wrong merged weight (largest difference "
                 f"{(got - expected).abs().max():.3g}); hint: {hint}"
             )
-    return _passed(exercise, 3)
+    return report_passed(exercise, 3)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from labkit.checks.core import CheckFailed, _call, _passed, goes_on_with
+from labkit.checks.core import CheckFailed, call_answer, goes_on_with, report_passed
 from labkit.parallel.memory import STRATEGIES, state_bytes
 from labkit.parallel.zero import owned_slice
 
@@ -32,7 +32,7 @@ def check_zero_bytes(fn: Callable[[int, int, int], int]) -> Callable:
     cases = [(1000, stage, world) for stage in range(4) for world in (1, 2, 8)] + [(7, 3, 2), (10, 1, 4), (10, 2, 3)]
     for n, stage, world in cases:
         expected = _zero_bytes(n, stage, world)
-        got = _call(exercise, fn, n, stage, world)
+        got = call_answer(exercise, fn, n, stage, world)
         if got == expected:
             continue
         unpadded = sum(size * n / (world if stage >= k else 1) for k, size in ((3, 4), (2, 4), (1, 8)))
@@ -51,7 +51,7 @@ def check_zero_bytes(fn: Callable[[int, int, int], int]) -> Callable:
         raise CheckFailed(
             f"{exercise}: n={n}, stage={stage}, world={world}: expected {expected} bytes, got {got!r}; hint: {hint}"
         )
-    return _passed(exercise, len(cases))
+    return report_passed(exercise, len(cases))
 
 
 @goes_on_with(_zero1_step, "zero.owned_slice")
@@ -69,7 +69,7 @@ def check_zero1_step(fn: Callable[..., torch.Tensor]) -> Callable:
         size = -(-n // world)
         slices = []
         for rank in range(world):
-            got = _call(exercise, fn, params.clone(), grads.clone(), rank, world, 0.1)
+            got = call_answer(exercise, fn, params.clone(), grads.clone(), rank, world, 0.1)
             if not isinstance(got, torch.Tensor) or got.shape != (size,):
                 shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
                 hint = (
@@ -94,4 +94,4 @@ def check_zero1_step(fn: Callable[..., torch.Tensor]) -> Callable:
                 f"{exercise}: n={n}, world={world}: the slices of all ranks, concatenated, are not the SGD step "
                 f"(largest difference {(whole - expected).abs().max():.3g}); hint: {hint}"
             )
-    return _passed(exercise, len(cases))
+    return report_passed(exercise, len(cases))

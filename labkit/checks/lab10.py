@@ -6,7 +6,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from labkit.checks.core import CheckFailed, _call, _passed, goes_on_with
+from labkit.checks.core import CheckFailed, call_answer, goes_on_with, report_passed
 from labkit.monitor import energy_per_token, integrate
 from labkit.profiler import MATMUL
 
@@ -22,7 +22,7 @@ def _joules_per_token(times: list[float], watts: list[float], tokens: int) -> fl
     return energy_per_token(integrate(times, watts), tokens)
 
 
-def _rows(*pairs: tuple[str, float]) -> list[dict[str, Any]]:
+def _operator_rows(*pairs: tuple[str, float]) -> list[dict[str, Any]]:
     return [{"name": name, "calls": 1.0, "self_s": s, "total_s": s} for name, s in pairs]
 
 
@@ -31,13 +31,18 @@ def check_matmul_share(fn: Callable[[list[dict[str, Any]]], float]) -> Callable:
     """Lab 10: fn(operators) = share of the operators' summed self time spent in aten::mm, addmm, bmm, baddbmm."""
     exercise = "exercise 10.1 (the matmul share of a step)"
     cases = [  # hand-computed: 3 of 4 s; 0 of 2; linear and matmul are wrappers whose self time is not a product's
-        (_rows(("aten::mm", 2.0), ("aten::addmm", 1.0), ("aten::mul", 1.0)), 0.75),
-        (_rows(("aten::add", 1.5), ("aten::copy_", 0.5)), 0.0),
-        (_rows(("aten::linear", 0.5), ("aten::matmul", 0.5), ("aten::bmm", 3.0), ("aten::mm_backward", 1.0)), 0.6),
-        (_rows(("aten::baddbmm", 1.0)), 1.0),
+        (_operator_rows(("aten::mm", 2.0), ("aten::addmm", 1.0), ("aten::mul", 1.0)), 0.75),
+        (_operator_rows(("aten::add", 1.5), ("aten::copy_", 0.5)), 0.0),
+        (
+            _operator_rows(
+                ("aten::linear", 0.5), ("aten::matmul", 0.5), ("aten::bmm", 3.0), ("aten::mm_backward", 1.0)
+            ),
+            0.6,
+        ),
+        (_operator_rows(("aten::baddbmm", 1.0)), 1.0),
     ]
     for rows, expected in cases:
-        got = _call(exercise, fn, rows)
+        got = call_answer(exercise, fn, rows)
         if isinstance(got, (int, float)) and abs(got - expected) < 1e-9:
             continue
         names = [r["name"] for r in rows]
@@ -48,7 +53,7 @@ def check_matmul_share(fn: Callable[[list[dict[str, Any]]], float]) -> Callable:
         else:
             hint = "divide the matmuls' summed self_s by every operator's summed self_s"
         raise CheckFailed(f"{exercise}: operators {names}: expected {expected}, got {got!r}; hint: {hint}")
-    return _passed(exercise, len(cases))
+    return report_passed(exercise, len(cases))
 
 
 @goes_on_with(_joules_per_token, "monitor.integrate")
@@ -61,7 +66,7 @@ def check_joules_per_token(fn: Callable[[list[float], list[float], int], float])
         ([0.0, 1.0, 4.0], [300.0, 100.0, 100.0], 50, (200 + 300) / 50),
     ]
     for times, watts, tokens, expected in cases:
-        got = _call(exercise, fn, list(times), list(watts), tokens)
+        got = call_answer(exercise, fn, list(times), list(watts), tokens)
         if isinstance(got, (int, float)) and abs(got - expected) < 1e-9:
             continue
         rectangles = sum(w * (b - a) for w, a, b in zip(watts, times, times[1:])) / tokens
@@ -75,4 +80,4 @@ def check_joules_per_token(fn: Callable[[list[float], list[float], int], float])
         raise CheckFailed(
             f"{exercise}: times {times}, watts {watts}, {tokens} tokens: expected {expected}, got {got!r}; hint: {hint}"
         )
-    return _passed(exercise, len(cases))
+    return report_passed(exercise, len(cases))

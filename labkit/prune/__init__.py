@@ -5,8 +5,8 @@ One module per idea:
 - `masks`: which weights, keep-masks, applying them (held through fine-tuning), saving them, counting
   the zeros. The base: the others import it.
 - `recover`: sensitivity scans and prune-and-recover (fine-tuning with labkit.train).
-- `calibrated`: Wanda and SparseGPT from scratch, calibrated block by block as GPTQ is (on labkit.quant's sweep
-  and inverse-Hessian factor).
+- `calibrated`: Wanda and SparseGPT from scratch, calibrated block by block as GPTQ is (on labkit.calibration's
+  sweep and inverse-Hessian factor).
 - `structured`: whole MLP channels (torch-pruning) and attention heads by key/value group.
 - `kernels`: torch's 2:4 sparse kernels on an Ampere-or-newer GPU.
 

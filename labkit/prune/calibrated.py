@@ -1,6 +1,6 @@
 """Pruning with calibration data, from scratch: Wanda (Sun et al., 2023) and SparseGPT (Frantar & Alistarh, 2023).
 
-Both walk the decoder block by block as GPTQ does (`quant.model.calibrated_sweep`): each group of linear
+Both walk the decoder block by block as GPTQ does (`labkit.calibration.calibrated_sweep`): each group of linear
 layers is pruned on the inputs produced by the layers already pruned, summarized by H = 2 X Xᵀ / n.
 
 - Wanda scores each weight |W_ij| · ‖X_j‖ (‖X_j‖² is H_jj up to a constant) and compares the weights of
@@ -20,17 +20,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from labkit.calibration import calibrated_sweep, check_calibration, inverse_hessian_factor
 from labkit.prune.masks import (
     Pruning,
-    _check_nm,
-    _check_nm_width,
-    _check_sparsity,
-    _drop_smallest,
-    _keep_top,
     apply_masks,
+    check_nm,
+    check_nm_width,
+    check_sparsity,
+    drop_smallest,
+    keep_top_n_of_m,
 )
-from labkit.quant.gptq import inverse_hessian_factor
-from labkit.quant.model import calibrated_sweep, check_calibration
 from labkit.torchutil import check_bool, check_module, decoder_layers, eval_mode, is_int, is_number
 
 Sparsity = float | tuple[int, int]
@@ -41,9 +40,9 @@ def _pattern(sparsity: Sparsity) -> tuple[float | None, tuple[int, int] | None]:
     if isinstance(sparsity, tuple):
         if len(sparsity) != 2:
             raise ValueError(f"an N:M pattern is a pair (n, m), got {sparsity}")
-        _check_nm(*sparsity)
+        check_nm(*sparsity)
         return None, sparsity
-    _check_sparsity(sparsity)
+    check_sparsity(sparsity)
     return float(sparsity), None
 
 
@@ -54,7 +53,7 @@ def _check_layer(weight: torch.Tensor, hessian: torch.Tensor, nm: tuple[int, int
     if not isinstance(hessian, torch.Tensor):
         raise TypeError(f"hessian must be a tensor [in, in], got {type(hessian).__name__}")
     if nm:
-        _check_nm_width("weight", weight.shape, *nm)
+        check_nm_width("weight", weight.shape, *nm)
     if hessian.shape != (weight.shape[1], weight.shape[1]):
         raise ValueError(f"hessian must be [{weight.shape[1]}, {weight.shape[1]}], got {tuple(hessian.shape)}")
 
@@ -76,7 +75,7 @@ def wanda_mask(weight: torch.Tensor, hessian: torch.Tensor, sparsity: Sparsity) 
     _check_layer(weight, hessian, nm)
     score = weight.detach().abs().float() * hessian.diagonal().float().clamp(min=0).sqrt().to(weight.device)
     if nm:
-        return _keep_top(score, *nm)
+        return keep_top_n_of_m(score, *nm)
     drop = round(share * weight.shape[1])
     keep = torch.ones_like(score, dtype=torch.bool)
     if drop:
@@ -132,11 +131,11 @@ def _sparsegpt(
         errors = torch.zeros_like(block)
         if share is not None:
             saliency = block.pow(2) / pivots.pow(2)
-            keep[:, b0:b1] = _drop_smallest(saliency.flatten(), round(share * saliency.numel())).view_as(block)
+            keep[:, b0:b1] = drop_smallest(saliency.flatten(), round(share * saliency.numel())).view_as(block)
         for j in range(b1 - b0):
             if nm and j % nm[1] == 0:
                 saliency = block[:, j : j + nm[1]].pow(2) / pivots[j : j + nm[1]].pow(2)
-                keep[:, b0 + j : b0 + j + nm[1]] = _keep_top(saliency, *nm)
+                keep[:, b0 + j : b0 + j + nm[1]] = keep_top_n_of_m(saliency, *nm)
             pruned = block[:, j] * keep[:, b0 + j]
             errors[:, j] = (block[:, j] - pruned) / ub[j, j]
             block[:, j + 1 :].addr_(errors[:, j], ub[j, j + 1 :], alpha=-1)
@@ -163,7 +162,7 @@ def _check_args(
         )
     if nm:
         for name, m in linears:
-            _check_nm_width(name, m.weight.shape, *nm)
+            check_nm_width(name, m.weight.shape, *nm)
     return share, nm
 
 

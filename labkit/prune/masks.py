@@ -72,12 +72,13 @@ def prunable_weights(
 # ----------------------------------------------------------------------------- masks
 
 
-def _check_sparsity(sparsity: float) -> None:
+def check_sparsity(sparsity: float) -> None:
+    """Refuse a sparsity outside [0, 1): the share of weights set to zero."""
     if not isinstance(sparsity, (int, float)) or not 0 <= sparsity < 1:
         raise ValueError(f"sparsity must be in [0, 1) (the share of weights set to zero), got {sparsity!r}")
 
 
-def _drop_smallest(scores: torch.Tensor, k: int) -> torch.Tensor:
+def drop_smallest(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Keep-mask of a flat tensor that drops exactly its k smallest scores (as torch.nn.utils.prune does)."""
     keep = torch.ones(scores.numel(), dtype=torch.bool, device=scores.device)
     if k:
@@ -93,17 +94,17 @@ def magnitude_masks(
     "layer" gives every matrix the same sparsity; "global" ranks all weights together, so matrices
     with small weights lose more.
     """
-    _check_sparsity(sparsity)
+    check_sparsity(sparsity)
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
     with torch.no_grad():
         if scope == "layer":
             return {
-                name: _drop_smallest(w.abs().flatten(), round(sparsity * w.numel())).view_as(w)
+                name: drop_smallest(w.abs().flatten(), round(sparsity * w.numel())).view_as(w)
                 for name, w in weights.items()
             }
         scores = torch.cat([w.detach().abs().flatten() for w in weights.values()])
-        keep = _drop_smallest(scores, round(sparsity * scores.numel()))
+        keep = drop_smallest(scores, round(sparsity * scores.numel()))
         del scores
         return {
             name: part.view_as(w)
@@ -111,17 +112,19 @@ def magnitude_masks(
         }
 
 
-def _check_nm(n: int, m: int) -> None:
+def check_nm(n: int, m: int) -> None:
+    """Refuse an N:M pattern unless 0 < n <= m."""
     if not (isinstance(n, int) and isinstance(m, int)) or not 0 < n <= m:
         raise ValueError(f"N:M pruning keeps n of every m weights: need 0 < n <= m, got n={n}, m={m}")
 
 
-def _check_nm_width(name: str, shape: Sequence[int], n: int, m: int) -> None:
+def check_nm_width(name: str, shape: Sequence[int], n: int, m: int) -> None:
+    """Refuse a weight whose input width m does not divide into groups."""
     if len(shape) != 2 or shape[1] % m:
         raise ValueError(f"{name}: {m} must divide the input width for {n}:{m} groups, shape {tuple(shape)}")
 
 
-def _keep_top(scores: torch.Tensor, n: int, m: int) -> torch.Tensor:
+def keep_top_n_of_m(scores: torch.Tensor, n: int, m: int) -> torch.Tensor:
     """Keep-mask of the n highest scores in every m consecutive columns of each row."""
     groups = scores.reshape(scores.shape[0], -1, m)
     keep = torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, groups.topk(n, dim=-1).indices, True)
@@ -130,12 +133,12 @@ def _keep_top(scores: torch.Tensor, n: int, m: int) -> torch.Tensor:
 
 def nm_masks(weights: dict[str, torch.Tensor], n: int = 2, m: int = 4) -> dict[str, torch.Tensor]:
     """Keep-masks with the n largest |w| of every m consecutive inputs of each row (2:4: NVIDIA's sparse pattern)."""
-    _check_nm(n, m)
+    check_nm(n, m)
     masks = {}
     with torch.no_grad():
         for name, w in weights.items():
-            _check_nm_width(name, w.shape, n, m)
-            masks[name] = _keep_top(w.abs(), n, m)
+            check_nm_width(name, w.shape, n, m)
+            masks[name] = keep_top_n_of_m(w.abs(), n, m)
     return masks
 
 

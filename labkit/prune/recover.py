@@ -12,8 +12,8 @@ from torch import nn
 
 from labkit.checkpoint import DataStream
 from labkit.prune.masks import (
-    _check_sparsity,
     apply_masks,
+    check_sparsity,
     magnitude_masks,
     magnitude_prune,
     overall_sparsity,
@@ -44,7 +44,7 @@ def sensitivity(
     sparsity: float,
 ) -> dict[str, float]:
     """score(model) after pruning each group alone to `sparsity` per layer; the weights are restored after each."""
-    _check_sparsity(sparsity)
+    check_sparsity(sparsity)
     weights = {name: w for names in groups.values() for name, w in prunable_weights(model, modules=names).items()}
     results = {}
     for group, names in groups.items():
@@ -83,7 +83,7 @@ def prune_and_recover(
     if train.checkpoint_dir:
         raise ValueError("prune_and_recover runs several short fits: leave train.checkpoint_dir unset")
     for s in sparsities:
-        _check_sparsity(s)
+        check_sparsity(s)
     stream = DataStream(loader)
     batches = iter(stream.__next__, None)  # endless: each round continues where the last stopped
     rounds = []

@@ -16,7 +16,7 @@ import torch_pruning as tp
 from torch import nn
 
 from labkit.models import count_parameters
-from labkit.prune.masks import _check_sparsity
+from labkit.prune.masks import check_sparsity
 from labkit.torchutil import eval_mode
 
 
@@ -137,7 +137,7 @@ def prune_mlp_channels(
     ‖down_proj column‖ · ‖its input‖ over the `calibration` batches (what it writes, no gradients);
     "taylor" by |weight × gradient|, a first-order estimate of the loss change, from `calibration`.
     """
-    _check_sparsity(ratio)
+    check_sparsity(ratio)
     _check_importance(importance, calibration)
     layers = _llama_layers(model)
     if ratio == 0:

@@ -13,7 +13,9 @@ zero point; each weight becomes an integer code q in [0, 2^bits - 1] standing fo
 - `awq`: `awq_model`, activation-aware per-channel scales (the idea of AWQ) searched on calibration data and
   folded into the operation before each layer, so that RTN (or GPTQ) afterwards rounds the salient weights finer.
 - `model`: `quantize_model`, the whole decoder, block by block: calibration activations flow through the
-  blocks already quantized, so each block corrects for the error of those before it.
+  blocks already quantized, so each block corrects for the error of those before it. The sweep, the calibration
+  windows, the input Hessians and the inverse-Hessian factor are `labkit.calibration`'s, shared with labkit.prune;
+  `calibration_blocks`, `input_hessian`, `inverse_hessian_factor` and `TOKENS_PER_INPUT` are re-exported here.
 - `packed`: `PackedLinear` / `pack_model` (GPTQ or RTN codes) and `NF4Linear` / `pack_model_nf4`, the codes kept
   packed in memory and dequantized on the fly, in the forward and the backward: a 4-bit base to train LoRA
   adapters on (QLoRA, lab 08).
@@ -27,11 +29,12 @@ The names below are those the labs, benchmarks and other labkit modules call as 
 is imported from its module (`from labkit.quant.gptq import ...`).
 """
 
+from labkit.calibration import TOKENS_PER_INPUT, calibration_blocks, input_hessian, inverse_hessian_factor
 from labkit.quant.awq import awq_model
 from labkit.quant.cache import quantize_model_cached
 from labkit.quant.checkpoint import load_gptq, pack_rows, save_gptq
 from labkit.quant.formats import QuantConfig, bits_per_weight, grid, quantize_rtn
-from labkit.quant.gptq import gptq_quantize, hessian_error, inverse_hessian_factor, quantize_column
+from labkit.quant.gptq import gptq_quantize, hessian_error, quantize_column
 from labkit.quant.interop import (
     gptq_kernels,
     gptqmodel_available,
@@ -39,13 +42,14 @@ from labkit.quant.interop import (
     load_with_transformers,
     quantize_with_gptqmodel,
 )
-from labkit.quant.model import METHODS, calibration_blocks, input_hessian, quantize_model, weight_bytes
+from labkit.quant.model import METHODS, quantize_model, weight_bytes
 from labkit.quant.nf4 import quantize_model_nf4, quantize_nf4
 from labkit.quant.packed import NF4Linear, PackedLinear, pack_model, pack_model_nf4, store_embeddings
 
 __all__ = [
     "METHODS",
     "NF4Linear",
+    "TOKENS_PER_INPUT",
     "PackedLinear",
     "awq_model",
     "QuantConfig",

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from labkit.calibration import calibrated_sweep, check_calibration
 from labkit.quant.formats import QuantConfig, quantize_rtn
 from labkit.quant.gptq import relative_errors
-from labkit.quant.model import calibrated_sweep, check_calibration
 from labkit.torchutil import check_bool, check_int, check_module, decoder_layers, eval_mode, is_int
 
 GRID = 20  # α ∈ {0, 1/20, …, 19/20}, as in AWQ

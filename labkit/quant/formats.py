@@ -119,7 +119,8 @@ def to_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int
     return torch.clamp(torch.round(w / scale[:, None]) + zero[:, None], 0, maxq)
 
 
-def _check_weight(weight: torch.Tensor) -> None:
+def check_weight(weight: torch.Tensor) -> None:
+    """Refuse anything but a finite 2-D weight [out_features, in_features] before it is quantized."""
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ValueError(f"expected a 2-D weight [out_features, in_features], got {getattr(weight, 'shape', weight)!r}")
     if not torch.isfinite(weight).all():
@@ -128,7 +129,7 @@ def _check_weight(weight: torch.Tensor) -> None:
 
 def quantize_rtn(weight: torch.Tensor, cfg: QuantConfig) -> QuantizedWeight:
     """Round to nearest: each group of columns gets its own grid, each weight its nearest point."""
-    _check_weight(weight)
+    check_weight(weight)
     out_features, in_features = weight.shape
     width = cfg.width(in_features)
     w = weight.detach().float().cpu()

@@ -1,6 +1,7 @@
 """GPTQ (Frantar et al., 2022) on one weight matrix: quantize one input column at a time and spread its
 rounding error over the columns not yet quantized, in proportion to the inverse Hessian H = 2 X Xᵀ / n
-of the layer's calibration inputs, which minimizes ‖WX − ŴX‖² column by column."""
+of the layer's calibration inputs, which minimizes ‖WX − ŴX‖² column by column. The Hessian and the factor of
+its inverse come from `labkit.calibration`."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from collections.abc import Callable
 
 import torch
 
-from labkit.quant.formats import QuantConfig, QuantizedWeight, _check_weight, grid
+from labkit.calibration import inverse_hessian_factor
+from labkit.quant.formats import QuantConfig, QuantizedWeight, check_weight, grid
 
 
 def hessian_error(weight: torch.Tensor, quantized: torch.Tensor, hessian: torch.Tensor) -> float:
@@ -27,25 +29,6 @@ def relative_errors(weight: torch.Tensor, hessian: torch.Tensor) -> Callable[[to
         return float(((delta @ h) * delta).sum() / den)
 
     return error
-
-
-def inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:
-    """Upper Cholesky factor of the damped inverse Hessian; its rows drive GPTQ's error updates.
-
-    Factored in float64 (a few ms even for 1536 inputs): with a condition number near 1e4, an fp32
-    factorization depends on how the LAPACK routine split its sums, and GPTQ's error feedback turns that
-    into other codes (on SmolLM2, 1 vs 2 threads changed 22 % of them; in float64, none). The factor
-    comes back in the Hessian's dtype.
-    """
-    h = hessian.to(torch.float64, copy=True)  # damped in place below: never the caller's tensor
-    h.diagonal().add_(damp * h.diagonal().mean())
-    factor, info = torch.linalg.cholesky_ex(h)
-    if info.item() != 0:
-        raise ValueError(
-            f"the Hessian is not positive definite after damping ({damp:.3g} of its mean diagonal); "
-            "use more calibration tokens or a larger damp (0.01-0.1)"
-        )
-    return torch.linalg.cholesky(torch.cholesky_inverse(factor), upper=True).to(hessian.dtype)
 
 
 def quantize_column(
@@ -68,7 +51,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, cfg: QuantConfig)
     columns of the block; whole blocks are then updated at once (lazy batch updates). Inputs that were
     zero throughout calibration (dead: H_ii = 0) carry no information: their weights are set to 0.
     """
-    _check_weight(weight)
+    check_weight(weight)
     out_features, in_features = weight.shape
     if hessian.shape != (in_features, in_features):
         raise ValueError(f"hessian must be [{in_features}, {in_features}], got {tuple(hessian.shape)}")
