@@ -53,10 +53,10 @@ RUN        := PATH="$(abspath $(VENV))/bin:$$PATH" PYTHONPATH="$(CURDIR)$${PYTHO
 # Both open working copies under build/, never the tracked notebooks: running a lab modifies no tracked
 # file, and a copy a student has changed is never overwritten (an unchanged one follows the course).
 lab: prepare
-	$(RUN) GPTQMODEL_OFFLINE=$(GPTQMODEL_OFFLINE) $(PY) -m labkit lab $(LAB_ARGS)
+	$(RUN) GPTQMODEL_OFFLINE=$(GPTQMODEL_OFFLINE) $(PY) -m labcourse lab $(LAB_ARGS)
 
 lab-solutions: prepare
-	$(RUN) GPTQMODEL_OFFLINE=$(GPTQMODEL_OFFLINE) $(PY) -m labkit lab --solutions $(LAB_ARGS)
+	$(RUN) GPTQMODEL_OFFLINE=$(GPTQMODEL_OFFLINE) $(PY) -m labcourse lab --solutions $(LAB_ARGS)
 
 # The suite runs on TEST_WORKERS processes (pytest-xdist; 0 = one process): each test file, and each
 # notebook with all its cells in one kernel (--dist loadscope), stays on one worker. With workers, torch
@@ -71,7 +71,7 @@ lab-solutions: prepare
 # every lab as students get it (written atomically: it replaces the last build whole). The solutions
 # themselves are run against their checks in test_student.py.
 test: prepare lint
-	$(RUN) $(PY) -m labkit student --labs labs --keep-outputs --output build/test-labs
+	$(RUN) $(PY) -m labcourse student --labs labs --keep-outputs --output build/test-labs
 	$(RUN) LABKIT_PROFILE=smoke HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 GPTQMODEL_OFFLINE=$(GPTQMODEL_OFFLINE) \
 	  LABKIT_DURATIONS=tests/durations.txt $(if $(filter 0,$(TEST_WORKERS)),,OMP_NUM_THREADS=1) \
 	  $(PY) -m pytest build/test-labs tests -p tests.durations -n $(TEST_WORKERS) --dist loadscope \
@@ -85,20 +85,20 @@ lint: setup
 
 gpu-check: prepare
 	$(RUN) HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 GPTQMODEL_OFFLINE=$(GPTQMODEL_OFFLINE) \
-	  $(PY) -m labkit gpu-check $(GPU_CHECK_ARGS)
+	  $(PY) -m labcourse gpu-check $(GPU_CHECK_ARGS)
 
 execute: prepare
 	$(RUN) HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 GPTQMODEL_OFFLINE=$(GPTQMODEL_OFFLINE) \
-	  $(PY) -m labkit execute $(EXECUTE_ARGS)
+	  $(PY) -m labcourse execute $(EXECUTE_ARGS)
 
 figures: setup
-	$(RUN) $(PY) -m labkit figures
+	$(RUN) $(PY) -m labcourse figures
 
 tensorboard: setup
-	$(RUN) $(PY) -m labkit tensorboard $(TB_ARGS)
+	$(RUN) $(PY) -m labcourse tensorboard $(TB_ARGS)
 
 student: setup
-	$(RUN) $(PY) -m labkit student --labs labs --output build/student
+	$(RUN) $(PY) -m labcourse student --labs labs --output build/student
 
 setup: $(STAMP)
 

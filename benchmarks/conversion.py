@@ -15,7 +15,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from labkit import assets, bench, results
+from labcourse import results
+from labkit import assets, bench
 
 
 def convert_once(name: str) -> tuple[float, int]:

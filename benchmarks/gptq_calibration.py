@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from labkit import bench, evaluate, quant, results
+from labcourse import results
+from labkit import bench, evaluate, quant
 from labkit.data import load_corpus
 from labkit.models import load_model
 from labkit.profiles import get_profile

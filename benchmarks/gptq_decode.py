@@ -14,7 +14,8 @@ import tempfile
 
 import torch
 
-from labkit import bench, quant, results
+from labcourse import results
+from labkit import bench, quant
 from labkit.data import load_corpus
 from labkit.models import DEFAULT_MODEL, load_model
 from labkit.profiles import get_profile

@@ -13,7 +13,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from labkit import bench, evaluate, quant, results
+from labcourse import results
+from labkit import bench, evaluate, quant
 from labkit.data import load_corpus
 from labkit.models import load_model
 from labkit.profiles import get_profile

@@ -15,7 +15,8 @@ import json
 import subprocess
 import sys
 
-from labkit import bench, lora, quant, results, tasks, train
+from labcourse import results
+from labkit import bench, lora, quant, tasks, train
 from labkit.data import load_corpus
 from labkit.models import count_parameters, load_model
 from labkit.profiles import get_profile

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from labkit import activations, bench, precision, results
+from labcourse import results
+from labkit import activations, bench, precision
 from labkit.models import llama_shape, tiny_llama
 from labkit.parallel import launch, memory
 from labkit.profiles import get_profile

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-from labkit import bench, results
+from labcourse import results
+from labkit import bench
 from labkit.data import load_corpus
 from labkit.evaluate import perplexity
 from labkit.models import DEFAULT_MODEL, load_model

@@ -14,7 +14,8 @@ import statistics
 
 import torch
 
-from labkit import bench, flops, precision, results
+from labcourse import results
+from labkit import bench, flops, precision
 from labkit.models import tiny_gpt2
 from labkit.train import TrainConfig, fit
 

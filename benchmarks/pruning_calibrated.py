@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from labkit import bench, evaluate, prune, quant, results
+from labcourse import results
+from labkit import bench, evaluate, prune, quant
 from labkit.data import load_corpus
 from labkit.models import load_model
 from labkit.profiles import get_profile

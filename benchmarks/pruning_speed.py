@@ -13,7 +13,8 @@ import copy
 
 import torch
 
-from labkit import bench, prune, results
+from labcourse import results
+from labkit import bench, prune
 from labkit.models import count_parameters, load_model
 
 

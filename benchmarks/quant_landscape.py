@@ -16,7 +16,8 @@ import time
 import torch
 from torch import nn
 
-from labkit import bench, evaluate, quant, results
+from labcourse import results
+from labkit import bench, evaluate, quant
 from labkit.data import load_corpus
 from labkit.models import load_model
 from labkit.profiles import get_profile

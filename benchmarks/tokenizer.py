@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-from labkit import bench, results
+from labcourse import results
+from labkit import bench
 from labkit.data import load_corpus
 from labkit.tokenizer import hf_merges, train_bpe, train_hf_bpe
 

@@ -12,7 +12,8 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from labkit import bench, results
+from labcourse import results
+from labkit import bench
 from labkit.models import tiny_gpt2
 from labkit.train import TrainConfig, fit, make_optimizer
 

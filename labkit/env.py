@@ -125,7 +125,7 @@ def collect() -> dict[str, Any]:
 
 def fingerprint(profile: str) -> dict[str, Any]:
     """The machine and software a run is on: CPU and its vector features, GPUs and driver, versions, date, profile.
-    `labkit execute` stores it in each notebook it writes; `banner` prints it as every lab's first line."""
+    `labcourse execute` stores it in each notebook it writes; `banner` prints it as every lab's first line."""
     cuda = torch.cuda.is_available()
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -110,7 +110,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(dest)
     if since_ci is not None:  # a whole .ci/run: saved as a run for the README (commit it from a fresh clone's run)
-        from labkit import results
+        from labcourse import results
 
         results.save_run("make_test", ci_figures(_seconds, wall, workers, int(exitstatus), since_ci))
 

@@ -16,22 +16,20 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from labcourse import figures, gpucheck, results
 from labkit import (
     bench,
     calibration,
     cli,
     data,
     evaluate,
-    figures,
     flops,
-    gpucheck,
     lora,
     models,
     monitor,
     precision,
     profiler,
     profiles,
-    results,
     shards,
     tasks,
     torchutil,
@@ -520,7 +518,6 @@ def test_an_empty_split_of_a_small_corpus_is_an_error_with_the_reason(tmp_path):
     "argv, message",
     [
         (["slurm", str(SCRIPT), "-o", "{tmp}"], "is a directory: give a file name"),
-        (["student", "--labs", "{tmp}/missing"], "no notebooks in"),
         (["profile", "turbo"], "unknown profile 'turbo'"),
         (["slurm", str(SCRIPT), "--nodes", "0"], "nodes >= 1"),
         (["slurm", "no_such.py"], "no such script"),

@@ -77,7 +77,7 @@ def _copy_cleared(source: Path, target: Path) -> None:
 
 @pytest.fixture(scope="module")
 def jupyterlab(tmp_path_factory):
-    """A JupyterLab server started by `python -m labkit lab` on a folder of its own, with its own settings."""
+    """A JupyterLab server started by `python -m labcourse lab` on a folder of its own, with its own settings."""
     tmp = tmp_path_factory.mktemp("jupyterlab")
     root = tmp / "labs"
     root.mkdir()
@@ -325,7 +325,8 @@ def test_a_failing_cell_is_reported_with_a_screenshot_and_the_state(jupyterlab, 
 
 
 def test_tensorboard_shows_a_training_runs_curves(browser, tmp_path):
-    """`labkit tensorboard` on a run that `fit` logged: the Time Series page lists the run and its train/loss card."""
+    """`labcourse tensorboard` on a run that `fit` logged: the Time Series page lists the run and its train/loss
+    card."""
     pytest.importorskip("tensorboard")
     import torch
 

@@ -1,4 +1,4 @@
-"""labkit.checks as a whole: a stub (the student build's `raise NotImplementedError`) is reported as the exercise
+"""labcourse.checks as a whole: a stub (the student build's `raise NotImplementedError`) is reported as the exercise
 left to do and the lab goes on with labkit's reference, which answers the exercise as the check wants; a wrong
 answer stops the cell with one line, not a traceback through labkit; the package re-exports every lab's checks."""
 
@@ -8,8 +8,8 @@ import importlib
 
 import pytest
 
-from labkit import checks
-from labkit.checks import core
+from labcourse import checks
+from labcourse.checks import core
 from tests.stubs import stub
 
 ALL_CHECKS = [getattr(checks, name) for name in checks.__all__ if name.startswith("check_")]
@@ -34,15 +34,16 @@ def test_a_wrong_answer_shows_one_line_in_ipython_not_a_traceback(capsys):
     from IPython.core.interactiveshell import InteractiveShell
 
     shell = InteractiveShell.instance()
-    result = shell.run_cell("from labkit import checks\nchecks.check_loss_divisors(lambda counts: [1] * len(counts))")
+    cell = "from labcourse import checks\nchecks.check_loss_divisors(lambda counts: [1] * len(counts))"
+    result = shell.run_cell(cell)
     shown = capsys.readouterr().out
     assert isinstance(result.error_in_exec, checks.CheckFailed)
     assert "CheckFailed: exercise 03.1" in shown and "hint:" in shown
-    assert "Traceback" not in shown and "labkit/checks" not in shown and len(shown.strip().splitlines()) == 1
+    assert "Traceback" not in shown and "labcourse/checks" not in shown and len(shown.strip().splitlines()) == 1
 
 
 def test_the_package_re_exports_every_check_of_every_lab():
-    labs = [importlib.import_module(f"labkit.checks.lab{n:02d}") for n in range(11)]
+    labs = [importlib.import_module(f"labcourse.checks.lab{n:02d}") for n in range(11)]
     defined = {name: getattr(lab, name) for lab in labs for name in vars(lab) if name.startswith("check_")}
     assert len(defined) == 22  # two exercises in each of labs 00 to 10
     assert sorted(checks.__all__) == sorted([*defined, "CheckFailed", "reveal"])

@@ -1,4 +1,4 @@
-"""labkit.checks.lab00: timing done right (sync, warm-up, median) and perplexity windows; each check passes the
+"""labcourse.checks.lab00: timing done right (sync, warm-up, median) and perplexity windows; each check passes the
 answer written here from the definition (not labkit's), whose values on small inputs are computed by hand, and fails
 the usual wrong answers with a message that says what to fix."""
 
@@ -8,8 +8,8 @@ import statistics
 
 import pytest
 
+from labcourse.checks import core, lab00
 from labkit import bench, evaluate
-from labkit.checks import core, lab00
 
 
 def median_time(work, sync, clock, warmup, repeats):

@@ -1,4 +1,4 @@
-"""labkit.checks.lab01: one BPE merge and packing a stream into blocks; each check passes an answer written here
+"""labcourse.checks.lab01: one BPE merge and packing a stream into blocks; each check passes an answer written here
 from the definition (not labkit's), whose values on small inputs are computed by hand, and fails the usual wrong
 answers with a message that says what to fix."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from labkit.checks import core, lab01
+from labcourse.checks import core, lab01
 
 
 def merge_by_hand(word, a, b, new):

@@ -1,4 +1,4 @@
-"""labkit.checks.lab02: the dynamic loss-scale update and what a format keeps; each check passes an answer
+"""labcourse.checks.lab02: the dynamic loss-scale update and what a format keeps; each check passes an answer
 written here from the definition (not labkit's), whose values on small inputs are computed by hand, and fails the
 usual wrong answers with a message that says what to fix."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from labcourse.checks import core, lab02
 from labkit import precision
-from labkit.checks import core, lab02
 
 
 def update_by_hand(scale, good_steps, found_inf, growth_factor, backoff_factor, growth_interval):

@@ -1,4 +1,4 @@
-"""labkit.checks.lab03: token-normalized accumulation and the warm-up + cosine schedule; each check passes an answer
+"""labcourse.checks.lab03: token-normalized accumulation and the warm-up + cosine schedule; each check passes an answer
 written here from the definition (not labkit's), whose values on small inputs are computed by hand, and fails the
 usual wrong answers with a message that says what to fix."""
 
@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from labkit.checks import core, lab03
+from labcourse.checks import core, lab03
 
 
 def test_loss_divisors_check_passes_a_hand_written_answer():

@@ -1,4 +1,4 @@
-"""labkit.checks.lab04: one reduce-scatter and one all-gather step of the ring; each check passes an answer
+"""labcourse.checks.lab04: one reduce-scatter and one all-gather step of the ring; each check passes an answer
 written here from the definition (not labkit's), whose values on small inputs are computed by hand, and fails the
 usual wrong answers with a message that says what to fix."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from labkit.checks import core, lab04
+from labcourse.checks import core, lab04
 
 
 def reduce_scatter_by_hand(chunks, step):

@@ -1,4 +1,4 @@
-"""labkit.checks.lab05: the 1F1B order and the pipeline bubble; each check passes an answer written here from the
+"""labcourse.checks.lab05: the 1F1B order and the pipeline bubble; each check passes an answer written here from the
 definition (not labkit's), whose values on small inputs are computed by hand, and fails the usual wrong answers with a
 message that says what to fix."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from labkit.checks import core, lab05
+from labcourse.checks import core, lab05
 from labkit.parallel import pipeline
 
 

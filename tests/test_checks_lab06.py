@@ -1,4 +1,4 @@
-"""labkit.checks.lab06: an N:M mask and counting sparsity; each check passes an answer written here from the
+"""labcourse.checks.lab06: an N:M mask and counting sparsity; each check passes an answer written here from the
 definition (not labkit's), whose values on small inputs are computed by hand, and fails the usual wrong answers with a
 message that says what to fix."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from labkit.checks import core, lab06
+from labcourse.checks import core, lab06
 
 
 def nm_by_hand(weight, n, m):

@@ -1,4 +1,4 @@
-"""labkit.checks.lab07: one GPTQ column and packing 4-bit codes; each check passes an answer written here from
+"""labcourse.checks.lab07: one GPTQ column and packing 4-bit codes; each check passes an answer written here from
 the definition (not labkit's), whose values on small inputs are computed by hand, and fails the usual wrong answers
 with a message that says what to fix."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from labkit.checks import core, lab07
+from labcourse.checks import core, lab07
 
 
 def column_by_hand(block, i, u, scale, zero, maxq):

@@ -1,4 +1,4 @@
-"""labkit.checks.lab08: the LoRA forward and merging an adapter; each check passes an answer written here
+"""labcourse.checks.lab08: the LoRA forward and merging an adapter; each check passes an answer written here
 from the definition (not labkit's), whose values on small inputs are computed by hand, and fails the usual wrong
 answers with a message that says what to fix."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from labkit.checks import core, lab08
+from labcourse.checks import core, lab08
 
 
 def reference_lora_forward(x, weight, bias, lora_A, lora_B, alpha, r):

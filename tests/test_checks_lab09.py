@@ -1,4 +1,4 @@
-"""labkit.checks.lab09: bytes per rank under ZeRO stage k and one ZeRO-1 step; each check passes answers written
+"""labcourse.checks.lab09: bytes per rank under ZeRO stage k and one ZeRO-1 step; each check passes answers written
 here from the definitions (not labkit's) and fails the usual wrong answers with a message that says what to fix."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from labkit.checks import core, lab09
+from labcourse.checks import core, lab09
 
 
 def zero_bytes_by_hand(n, stage, world):

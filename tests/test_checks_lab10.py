@@ -1,11 +1,11 @@
-"""labkit.checks.lab10: the matmul share of a profiled step and energy per token; each check passes answers written
+"""labcourse.checks.lab10: the matmul share of a profiled step and energy per token; each check passes answers written
 here from the definitions (not labkit's) and fails the usual wrong answers with a message that says what to fix."""
 
 from __future__ import annotations
 
 import pytest
 
-from labkit.checks import core, lab10
+from labcourse.checks import core, lab10
 
 PRODUCTS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
 

@@ -11,9 +11,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from labkit import claims
+from labcourse import claims
+from labcourse.claims import Spread, compare, fmt_number, fmt_value, ratio, say, share, spread
 from labkit.bench import Timing
-from labkit.claims import Spread, compare, fmt_number, fmt_value, ratio, say, share, spread
 
 T4 = Timing([4.1e-3, 4.12e-3, 4.3e-3], warmup=1)  # 4-bit decode: median 4.12 ms, range 4.10–4.30 ms
 T16 = Timing([6.8e-3, 6.7e-3, 6.9e-3], warmup=1)  # fp16 decode: median 6.80 ms, range 6.70–6.90 ms

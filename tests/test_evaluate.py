@@ -8,8 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
+from labcourse.expected import EXPECTED
 from labkit import evaluate
-from labkit.expected import EXPECTED
 from labkit.models import tiny_llama
 
 

@@ -1,4 +1,4 @@
-"""labkit.execute: one clean top-to-bottom run written back — counts from 1, the machine recorded, progress bars as
+"""labcourse.execute: one clean top-to-bottom run written back — counts from 1, the machine recorded, progress bars as
 their last text frame, no widget state or stray plotting reprs — and a failing run that changes nothing."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from nbclient.exceptions import CellExecutionError
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
-from labkit import execute, results
+from labcourse import execute, results
 
 
 def test_last_frames_keeps_what_a_terminal_shows():
@@ -49,7 +49,7 @@ LAB = [
     "from tqdm.auto import tqdm\nfor _ in tqdm(range(3), desc='steps'):\n    time.sleep(0.01)",
     "import matplotlib\nmatplotlib.use('agg')\nimport matplotlib.pyplot as plt\nplt.plot([1, 2])",
     "6 * 7",
-    "from labkit import expected\nexpected.check('00', {'perplexity': 18.7, 'tokens': 1234});",
+    "from labcourse import expected\nexpected.check('00', {'perplexity': 18.7, 'tokens': 1234});",
 ]
 
 
@@ -75,7 +75,7 @@ def test_a_lab_is_run_top_to_bottom_and_written_back_clean(tmp_path):
     executed = nb.metadata["labkit"]["executed"]
     assert executed["profile"] == "smoke" and executed["cpu"] and executed["packages"]["torch"]
     assert 0 < executed["seconds"] < 120
-    # the lab's figures: shown as text, and kept as JSON in the same output for `labkit figures`
+    # the lab's figures: shown as text, and kept as JSON in the same output for `labcourse figures`
     (shown,) = nb.cells[4].outputs
     assert "perplexity" in shown.data["text/plain"] and "expected 18.4–19" in shown.data["text/plain"]
     assert results.notebook_figures(path) == [
@@ -95,7 +95,7 @@ def test_problems_names_each_way_a_saved_notebook_falls_short():
         "execution counts are [1, 3], not 1 … 2",
         "widget state in the metadata",
         "cell 1: [<matplotlib.lines.Line2D>]",
-        "no fingerprint: not written by `labkit execute`",
+        "no fingerprint: not written by `labcourse execute`",
     ]
     nb.metadata = {"labkit": {"executed": {"cpu": "Test CPU"}}}
     figure = {"image/png": "iVBOR", "text/plain": "<Figure size 640x480 with 1 Axes>"}  # a figure, kept by tidy
@@ -167,7 +167,7 @@ def test_the_command_runs_every_notebook_and_reports_each_one_that_stops_short(t
     """A cell that raises, one past the time-out, one that kills its kernel, a missing and a malformed notebook:
     each is one line on stderr (no traceback, not even the kernel's), the partial runs are kept, the fine notebook
     after them all is written, and the summary and the exit status say so."""
-    from labkit import cli
+    from labcourse import cli
 
     monkeypatch.chdir(tmp_path)  # the failed runs go to ./build/execute
     runs = {
@@ -182,14 +182,15 @@ def test_the_command_runs_every_notebook_and_reports_each_one_that_stops_short(t
     assert cli.main(["execute", "--profile", "smoke", "--timeout", "2", *names]) == 1
     out, err = capfd.readouterr()
     assert err.splitlines() == [
-        "labkit execute: 01_raises.ipynb: cell 1 raised ZeroDivisionError: division by zero under profile 'smoke'; the "
-        "partial run is in build/execute/01_raises.ipynb (the kernel's log beside it), 01_raises.ipynb is unchanged",
-        "labkit execute: 02_sleeps.ipynb: cell 1 ran past the 2 s time-out under profile 'smoke'; the partial run is "
-        "in build/execute/02_sleeps.ipynb (the kernel's log beside it), 02_sleeps.ipynb is unchanged",
-        "labkit execute: 03_kills.ipynb: the kernel died in cell 1 under profile 'smoke'; the partial run is in "
+        "labcourse execute: 01_raises.ipynb: cell 1 raised ZeroDivisionError: division by zero under profile 'smoke'; "
+        "the partial run is in build/execute/01_raises.ipynb (the kernel's log beside it), "
+        "01_raises.ipynb is unchanged",
+        "labcourse execute: 02_sleeps.ipynb: cell 1 ran past the 2 s time-out under profile 'smoke'; the partial run "
+        "is in build/execute/02_sleeps.ipynb (the kernel's log beside it), 02_sleeps.ipynb is unchanged",
+        "labcourse execute: 03_kills.ipynb: the kernel died in cell 1 under profile 'smoke'; the partial run is in "
         "build/execute/03_kills.ipynb (the kernel's log beside it), 03_kills.ipynb is unchanged",
-        "labkit execute: No such file or directory: 04_missing.ipynb",
-        "labkit execute: 05_malformed.ipynb is not a notebook: the JSON is of type list, not an object",
+        "labcourse execute: No such file or directory: 04_missing.ipynb",
+        "labcourse execute: 05_malformed.ipynb is not a notebook: the JSON is of type list, not an object",
     ]
     assert "06_fine.ipynb: written back" in out and out.endswith(
         "written back: 06_fine.ipynb\nfailed (left as they were): " + ", ".join(names[:5]) + "\n"
@@ -203,7 +204,7 @@ def test_the_command_runs_every_notebook_and_reports_each_one_that_stops_short(t
 
 
 def test_a_closed_output_pipe_does_not_stop_the_command(tmp_path):
-    """`labkit execute a b | head -1`, made certain: stdout is a pipe whose reader has already gone. Every notebook
+    """`labcourse execute a b | head -1`, made certain: stdout is a pipe whose reader has already gone. Every notebook
     still runs, and the exit status says whether all were written."""
     write_lab(tmp_path / "a.ipynb", ["print('a ran')"])
     (tmp_path / "bad.ipynb").write_text('{"cells": 3}')
@@ -212,7 +213,7 @@ def test_a_closed_output_pipe_does_not_stop_the_command(tmp_path):
     os.close(read)
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "labkit", "execute", "--profile", "smoke", "a.ipynb", "bad.ipynb", "b.ipynb"],
+            [sys.executable, "-m", "labcourse", "execute", "--profile", "smoke", "a.ipynb", "bad.ipynb", "b.ipynb"],
             cwd=tmp_path,
             stdout=write,
             stderr=subprocess.PIPE,
@@ -222,6 +223,6 @@ def test_a_closed_output_pipe_does_not_stop_the_command(tmp_path):
     finally:
         os.close(write)
     assert done.returncode == 1
-    assert done.stderr == "labkit execute: bad.ipynb is not a notebook: it has no nbformat field\n"
+    assert done.stderr == "labcourse execute: bad.ipynb is not a notebook: it has no nbformat field\n"
     for name in ("a", "b"):
         assert nbformat.read(str(tmp_path / f"{name}.ipynb"), as_version=4).cells[0].outputs[0].text == f"{name} ran\n"

@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from labkit import expected
-from labkit.expected import EXPECTED, ExpectationFailed, Range, check
+from labcourse import expected
+from labcourse.expected import EXPECTED, ExpectationFailed, Range, check
 
 LABS = sorted(p.name[:2] for p in (Path(__file__).parents[1] / "labs").glob("[0-9][0-9]_*.ipynb"))
 

@@ -1,4 +1,4 @@
-"""labkit.figures: the README's measured table rendered from the saved runs and the executed labs — every figure
+"""labcourse.figures: the README's measured table rendered from the saved runs and the executed labs — every figure
 read from its source, formatted as asked, linked with the machine it ran on — and the README as committed is
 exactly what it renders."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook, new_output
 
-from labkit import figures, results
+from labcourse import figures, results
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit import assets, cli, fileio, student
+from labcourse import cli, student
+from labkit import assets, fileio
 from tests.permissions import snapshot
 
 SOLVED = "def f():\n    # BEGIN SOLUTION\n    return 1\n    # END SOLUTION\n"
@@ -82,7 +83,7 @@ def test_the_student_build_refuses_what_it_did_not_write(tmp_path, monkeypatch, 
     before = (snapshot(tmp_path), _contents(tmp_path))
     assert cli.main(["student", "--labs", str(labs), "--output", str(out)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("labkit student: ") and message in err and str(out.absolute()) in err
+    assert err.startswith("labcourse student: ") and message in err and str(out.absolute()) in err
     assert (snapshot(tmp_path), _contents(tmp_path)) == before
 
 

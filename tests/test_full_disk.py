@@ -16,7 +16,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from labkit import cli, fileio
+from labcourse import cli
+from labkit import fileio
+from labkit.cli import one_line
 from tests.permissions import snapshot
 
 BIG = 2 * 2**20  # bytes: more than the whole 1 MiB filesystem
@@ -76,7 +78,7 @@ def test_a_full_disk_is_one_clear_error_and_changes_nothing(full_disk, write, na
     err = caught.value
     assert isinstance(err, OSError) and err.errno == errno.ENOSPC and err.filename == str(full_disk / name)
     assert re.fullmatch(f"disk full while writing {re.escape(str(full_disk / name))}: {FREE}", str(err))
-    assert re.fullmatch(f"No space left on device \\({FREE}\\): {re.escape(str(full_disk / name))}", cli._one_line(err))
+    assert re.fullmatch(f"No space left on device \\({FREE}\\): {re.escape(str(full_disk / name))}", one_line(err))
     assert _entries(full_disk) == before  # the earlier file and directory intact, no temporary left
     assert (full_disk / "earlier.bin").read_bytes() == b"earlier"
 
@@ -89,7 +91,7 @@ def test_labkit_student_on_a_full_disk_prints_one_line(full_disk, tmp_path, caps
     before = _entries(full_disk)
     assert cli.main(["student", "--labs", str(labs), "--output", str(full_disk / "student")]) == 2
     line = capsys.readouterr().err
-    assert re.fullmatch(f"labkit student: No space left on device \\({FREE}\\): {full_disk / 'student'}\n", line)
+    assert re.fullmatch(f"labcourse student: No space left on device \\({FREE}\\): {full_disk / 'student'}\n", line)
     assert _entries(full_disk) == before
 
 

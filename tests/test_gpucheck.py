@@ -1,4 +1,4 @@
-"""`labkit gpu-check`: without CUDA it checks what a CPU can and says nothing GPU-side was measured; its
+"""`labcourse gpu-check`: without CUDA it checks what a CPU can and says nothing GPU-side was measured; its
 plan covers every lab and GPU benchmark; a step's failure, time-out or missing GPUs is reported, not fatal."""
 
 import json
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from labkit import cli, gpucheck
+from labcourse import cli, gpucheck
 from labkit.parallel import launch
 
 PY = sys.executable

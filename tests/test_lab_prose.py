@@ -1,7 +1,7 @@
 """Markdown teaches; it does not report. A figure of this run typed into a lab's markdown (a time, a ratio, a
 share, a size) drifts when the machine, the run or the code changes, and the student build ships the reference
 machine's numbers to students whose runs differ: such figures are printed by code from the measured values
-(labkit.claims). Markdown keeps definitions, reasoning, questions and literature figures with their source.
+(labcourse.claims). Markdown keeps definitions, reasoning, questions and literature figures with their source.
 
 `run_figures` finds figures with units in markdown that are none of those. A figure typed on purpose — a setting the
 code uses, arithmetic on a published shape, a hypothetical — is listed in REVIEWED with the reason it is not this
@@ -131,7 +131,7 @@ def test_no_typed_run_figure(path):
     found = unreviewed(path.stem, markdown_cells(path))
     assert found == [], (
         f"{path.name} types run figures in markdown: {found[:12]}. Print them from the measured values "
-        "(labkit.claims), cite the source of a literature figure, or, for a setting or a definition, add the "
+        "(labcourse.claims), cite the source of a literature figure, or, for a setting or a definition, add the "
         "sentence to REVIEWED with the reason"
     )
 

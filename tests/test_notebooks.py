@@ -1,4 +1,4 @@
-"""The committed labs, each one clean run: `labkit.execute.problems` finds nothing in any lab, so every lab was
+"""The committed labs, each one clean run: `labcourse.execute.problems` finds nothing in any lab, so every lab was
 written by `make execute` (counts from 1, no widgets, the machine it ran on recorded). A lab added, or saved from
 Jupyter by hand, fails here with what is wrong; `make execute EXECUTE_ARGS="--profile cpu labs/NN_….ipynb"` mends it."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit import execute
+from labcourse import execute
 
 LABS = sorted((Path(__file__).resolve().parents[1] / "labs").glob("[0-9][0-9]_*.ipynb"))
 

@@ -1,4 +1,4 @@
-"""labkit.results: one JSON file per benchmark run, with the machine it ran on, never overwritten; the figures a
+"""labcourse.results: one JSON file per benchmark run, with the machine it ran on, never overwritten; the figures a
 lab publishes read back from the saved notebook."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 from nbformat.v4 import new_code_cell, new_notebook, new_output
 
-from labkit import results
+from labcourse import results
 
 
 def test_a_run_is_saved_with_the_machine_and_read_back(tmp_path):

@@ -119,7 +119,7 @@ def test_a_set_up_venv_is_used_not_reinstalled_from_a_newer_clone(clone_and_venv
     lab = _make(clone, "-n", "lab", f"VENV={venv}")
     assert "pip install" not in lab, lab
     # the notebooks import this clone's labkit, not the clone the venv was set up from
-    assert f'PYTHONPATH="{clone}' in lab and f"{venv}/bin/python -m labkit lab" in lab, lab
+    assert f'PYTHONPATH="{clone}' in lab and f"{venv}/bin/python -m labcourse lab" in lab, lab
 
 
 @needs_make

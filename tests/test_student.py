@@ -1,4 +1,4 @@
-"""labkit.student: the student build stubs every marked solution, drops the `solution-only` cells and keeps
+"""labcourse.student: the student build stubs every marked solution, drops the `solution-only` cells and keeps
 everything else; every solution in the labs passes its check (the suite runs the student build under nbval, so
 this is where the solutions run); `make lab`'s working copies never overwrite what a student changed."""
 
@@ -11,7 +11,7 @@ import nbformat
 import pytest
 import torch
 
-from labkit import checks, student
+from labcourse import checks, student
 
 LABS = Path(__file__).resolve().parent.parent / "labs"
 

@@ -8,7 +8,7 @@ import argparse
 
 import torch.distributed as dist
 
-from labkit import results
+from labcourse import results
 from labkit.parallel.data import time_all_reduce
 from labkit.parallel.launch import rank_context, save_result
 from labkit.parallel.ring import ring_all_reduce_
@@ -18,7 +18,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--megabytes", type=float, nargs="+", default=[0.25, 1, 4, 16, 64])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--results", help="also save rank 0's rows as a run in this folder (labkit.results.save_run)")
+    parser.add_argument(
+        "--results", help="also save rank 0's rows as a run in this folder (labcourse.results.save_run)"
+    )
     args = parser.parse_args()
     with rank_context() as (rank, world, device):
         rows = []

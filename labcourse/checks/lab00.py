@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from labcourse.checks.core import CheckFailed, call_answer, goes_on_with, report_passed
 from labkit import bench, evaluate
-from labkit.checks.core import CheckFailed, call_answer, goes_on_with, report_passed
 
 
 class _SimulatedGPU:

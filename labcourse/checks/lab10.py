@@ -6,7 +6,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from labkit.checks.core import CheckFailed, call_answer, goes_on_with, report_passed
+from labcourse.checks.core import CheckFailed, call_answer, goes_on_with, report_passed
 from labkit.monitor import energy_per_token, integrate
 from labkit.profiler import MATMUL
 

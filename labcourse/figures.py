@@ -1,4 +1,4 @@
-"""`labkit figures` / `make figures`: the README's measured table rendered from where its figures were measured.
+"""`labcourse figures` / `make figures`: the README's measured table rendered from where its figures were measured.
 
 The table's template (`docs/measured.md`) is Markdown with placeholders, each naming a source and a figure:
 
@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from labkit import fileio, results
+from labcourse import results
+from labkit import fileio
 from labkit.torchutil import as_path, check_int, is_number
 
 ROOT = Path(__file__).resolve().parent.parent

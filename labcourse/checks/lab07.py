@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 import torch
 
+from labcourse.checks.core import CheckFailed, call_answer, goes_on_with, report_passed
 from labkit import quant
-from labkit.checks.core import CheckFailed, call_answer, goes_on_with, report_passed
 
 
 def _column_case(seed: int, rows: int = 6, cols: int = 5, bits: int = 3):

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from labkit.checks.core import CheckFailed, call_answer, goes_on_with, report_passed
+from labcourse.checks.core import CheckFailed, call_answer, goes_on_with, report_passed
 from labkit.parallel import ring
 
 

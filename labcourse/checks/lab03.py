@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from labcourse.checks.core import CheckFailed, call_answer, goes_on_with, report_passed
 from labkit import train
-from labkit.checks.core import CheckFailed, call_answer, goes_on_with, report_passed
 
 
 @goes_on_with(train.loss_divisors, "train.loss_divisors")

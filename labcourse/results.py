@@ -2,7 +2,7 @@
 
 A benchmark ends with `save_run(name, figures)`: `results/<name>/<UTC time>-<host>.json`, written atomically, with
 the machine's fingerprint beside the figures. A lab's `expected.check` publishes its figures in the notebook's
-output under `MIME` (`publish`), and `notebook_figures` reads them back from the saved notebook. `labkit figures`
+output under `MIME` (`publish`), and `notebook_figures` reads them back from the saved notebook. `labcourse figures`
 renders the README's measured table from both, so no figure there is typed by hand.
 """
 
@@ -149,7 +149,7 @@ def publish(text: str, payload: dict[str, Any]) -> None:
 
 
 def saved_notebook(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """A saved notebook, read once: what `labkit execute` recorded in it ({"executed": machine, profile, run time},
+    """A saved notebook, read once: what `labcourse execute` recorded in it ({"executed": machine, profile, run time},
     or {}) and every payload it published (`publish`), in cell order."""
     path = as_path("path", path)
     try:

@@ -56,7 +56,7 @@ def strip_solutions(source: str, where: str = "cell") -> tuple[str, int]:
 def student_notebook(path: str | Path, keep_outputs: bool = False) -> tuple[dict, int]:
     """A lab notebook as students get it: solutions stubbed, `solution-only` cells dropped, outputs and
     execution counts cleared (kept with keep_outputs, for the suite's nbval run of the student build)."""
-    from labkit.execute import read_notebook  # a malformed lab: ValueError naming the file and what is wrong
+    from labcourse.execute import read_notebook  # a malformed lab: ValueError naming the file and what is wrong
 
     nb = read_notebook(path)
     total, cells = 0, []

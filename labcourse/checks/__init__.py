@@ -10,18 +10,18 @@ and `core` for what they share. The notebooks call every check as `checks.check_
 measurement the student was asked to predict: re-exported here.
 """
 
-from labkit.checks.core import CheckFailed, reveal
-from labkit.checks.lab00 import check_median_time, check_windows
-from labkit.checks.lab01 import check_merge_pair, check_pack_blocks
-from labkit.checks.lab02 import check_kept_fraction, check_update_loss_scale
-from labkit.checks.lab03 import check_loss_divisors, check_lr_at
-from labkit.checks.lab04 import check_all_gather_step, check_reduce_scatter_step
-from labkit.checks.lab05 import check_1f1b_order, check_bubble_fraction
-from labkit.checks.lab06 import check_nm_mask, check_overall_sparsity
-from labkit.checks.lab07 import check_gptq_column, check_pack_nibbles
-from labkit.checks.lab08 import check_lora_forward, check_lora_merge
-from labkit.checks.lab09 import check_zero1_step, check_zero_bytes
-from labkit.checks.lab10 import check_joules_per_token, check_matmul_share
+from labcourse.checks.core import CheckFailed, reveal
+from labcourse.checks.lab00 import check_median_time, check_windows
+from labcourse.checks.lab01 import check_merge_pair, check_pack_blocks
+from labcourse.checks.lab02 import check_kept_fraction, check_update_loss_scale
+from labcourse.checks.lab03 import check_loss_divisors, check_lr_at
+from labcourse.checks.lab04 import check_all_gather_step, check_reduce_scatter_step
+from labcourse.checks.lab05 import check_1f1b_order, check_bubble_fraction
+from labcourse.checks.lab06 import check_nm_mask, check_overall_sparsity
+from labcourse.checks.lab07 import check_gptq_column, check_pack_nibbles
+from labcourse.checks.lab08 import check_lora_forward, check_lora_merge
+from labcourse.checks.lab09 import check_zero1_step, check_zero_bytes
+from labcourse.checks.lab10 import check_joules_per_token, check_matmul_share
 
 __all__ = [
     "CheckFailed",

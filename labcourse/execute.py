@@ -1,4 +1,4 @@
-"""Run a lab top to bottom in a fresh kernel and write it back with its outputs (`labkit execute`, `make execute`).
+"""Run a lab top to bottom in a fresh kernel and write it back with its outputs (`labcourse execute`, `make execute`).
 
 One clean pass per notebook: execution counts 1, 2, 3 …; the machine it ran on recorded in the notebook's
 metadata; progress bars saved as their last frame of plain text instead of widgets that GitHub shows frozen at
@@ -95,7 +95,7 @@ def problems(nb: Any) -> list[str]:
         found += [f"cell {index}: {why}" for out in cell.get("outputs", []) if (why := _stray(out))]
     executed = nb.metadata.get("labkit", {}).get("executed")
     if not executed:
-        found.append("no fingerprint: not written by `labkit execute`")
+        found.append("no fingerprint: not written by `labcourse execute`")
     else:
         first = "".join(o.get("text", "") for o in (code[0].outputs if code else []) if o.output_type == "stream")
         if executed["cpu"] not in first:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from labkit.checks.core import CheckFailed, call_answer, goes_on_with, report_passed
+from labcourse.checks.core import CheckFailed, call_answer, goes_on_with, report_passed
 from labkit.parallel.memory import STRATEGIES, state_bytes
 from labkit.parallel.zero import owned_slice
 

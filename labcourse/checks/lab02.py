@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 import torch
 
+from labcourse.checks.core import CheckFailed, call_answer, goes_on_with, report_passed
 from labkit import precision
-from labkit.checks.core import CheckFailed, call_answer, goes_on_with, report_passed
 
 
 @goes_on_with(precision.update_loss_scale, "precision.update_loss_scale")

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from labkit import profiles, results
+from labcourse import results
+from labkit import profiles
 
 
 @dataclass(frozen=True)
@@ -259,7 +260,7 @@ def check(
     lab: str, measured: dict[str, float], profile: str | None = None, unmeasured: dict[str, str] | None = None
 ) -> list[Row]:
     """Print `measured` against the expected ranges of `lab` on `profile` (in a notebook, also published as JSON for
-    `labkit figures`); raise on a quality miss, and on a listed figure that was neither measured nor named in
+    `labcourse figures`); raise on a quality miss, and on a listed figure that was neither measured nor named in
     `unmeasured` (figure -> why this machine cannot measure it)."""
     if lab not in EXPECTED:
         raise ValueError(f"no expected results for lab {lab!r}; known: {', '.join(EXPECTED)}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from labkit.checks.core import CheckFailed, as_rows, call_answer, goes_on_with, report_passed
+from labcourse.checks.core import CheckFailed, as_rows, call_answer, goes_on_with, report_passed
 from labkit.parallel import pipeline
 
 

@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from labcourse.checks.core import CheckFailed, as_rows, call_answer, goes_on_with, report_passed
 from labkit import data, tokenizer
-from labkit.checks.core import CheckFailed, as_rows, call_answer, goes_on_with, report_passed
 
 
 def _merge_overlapping(word: tuple[int, ...], a: int, b: int, new: int) -> tuple[int, ...]:

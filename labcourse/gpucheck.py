@@ -1,4 +1,4 @@
-"""`labkit gpu-check`: one command for a GPU machine. Every lab under the gpu profile and the GPU
+"""`labcourse gpu-check`: one command for a GPU machine. Every lab under the gpu profile and the GPU
 benchmarks, each in its own process with a time limit, into one JSON that names the device; without
 CUDA, the CPU-side checks only, and a plain statement that nothing GPU-side was measured."""
 
@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from labkit import assets, bench, env, fileio, precision, profiles, results
+from labcourse import results
+from labkit import assets, bench, env, fileio, precision, profiles
 from labkit.parallel import launch
 from labkit.torchutil import as_path, check_bool, check_int
 

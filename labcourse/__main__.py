@@ -1,0 +1,3 @@
+from labcourse.cli import main
+
+raise SystemExit(main())
