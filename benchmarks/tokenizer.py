@@ -10,8 +10,8 @@ import argparse
 
 from labcourse import results
 from labkit import bench
+from labkit.bpe import hf_merges, train_bpe, train_hf_bpe
 from labkit.data import load_corpus
-from labkit.tokenizer import hf_merges, train_bpe, train_hf_bpe
 
 
 def main() -> None:

@@ -23,9 +23,9 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from labkit import bench
 from labkit.assets import cache_dir
+from labkit.bpe import BPETokenizer
 from labkit.data import concat_with_separator, encode_texts
 from labkit.fileio import atomic_write_bytes, atomic_write_text, sha256_file
-from labkit.tokenizer import BPETokenizer
 
 FORMAT = "labkit-shard-v1"
 

@@ -207,8 +207,8 @@ def _tiny_conversion(gguf, out):
     """Stands in for the GGUF conversion: a tiny Llama and a small BPE tokenizer, saved by transformers."""
     from transformers import PreTrainedTokenizerFast
 
+    from labkit.bpe import train_bpe
     from labkit.models import tiny_llama
-    from labkit.tokenizer import train_bpe
 
     tiny_llama().save_pretrained(out)  # safetensors itself creates model.safetensors as 0600
     bpe = train_bpe(["hello world"] * 3, 270, progress=False)

@@ -35,12 +35,12 @@ from labkit import (
     torchutil,
     train,
 )
-from labkit import tokenizer as T
+from labkit import bpe as T
 from labkit.parallel import fsdp, launch, memory, pipeline, ring, slurm, tensor, zero
 from labkit.prune import calibrated, masks, structured
 from labkit.quant import awq, formats, gptq, nf4
-from labkit.quant import checkpoint as qcheckpoint
-from labkit.quant import model as qmodel
+from labkit.quant import gptq_format as qcheckpoint
+from labkit.quant import whole_model as qmodel
 
 SCRIPT = Path(__file__).parents[1] / "labs" / "scripts" / "ddp_train.py"
 
@@ -351,7 +351,7 @@ CASES = [
     ("sweep-solve", lambda: calibration.calibrated_sweep(_llama(), CAL, None), TypeError, "solve must be callable"),
     ("sweep-empty", lambda: calibration.calibrated_sweep(_llama(), EMPTY_CAL, print), ValueError, "the calibrated sweep needs at least one calibration block"),
     ("sweep-float", lambda: calibration.calibrated_sweep(_llama(), CAL.float(), print), ValueError, "the calibrated sweep needs calibration token ids as a .* long tensor"),
-    # quant.model
+    # quant.whole_model
     ("gptq-empty-blocks", lambda: qmodel.quantize_model(_llama(), RULES, torch.zeros(1, 0, dtype=torch.long)), ValueError, "GPTQ needs at least one calibration block.*\\(1, 0\\)"),
     ("quantize_model-model", lambda: qmodel.quantize_model("m", RULES, method="rtn"), TypeError, "model must be a torch.nn.Module, got str"),
     ("quantize_model-batch", lambda: qmodel.quantize_model(_llama(), RULES, method="rtn", batch_size="8"), TypeError, "batch_size must be an int, got '8'"),

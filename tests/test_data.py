@@ -114,7 +114,7 @@ def test_pad_batch_masks_padding():
 
 
 def test_encode_texts_accepts_both_tokenizer_kinds(default_model):
-    from labkit.tokenizer import train_bpe
+    from labkit.bpe import train_bpe
 
     bpe = train_bpe(["hello world"] * 3, 270, progress=False)
     assert data.encode_texts(bpe, ["hello"]) == [bpe.encode("hello")]

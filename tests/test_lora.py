@@ -13,8 +13,8 @@ import torch
 from labkit import lora, tasks, train
 from labkit.models import count_parameters, tiny_llama
 from labkit.quant.formats import QuantConfig
-from labkit.quant.model import quantize_model
 from labkit.quant.packed import pack_model
+from labkit.quant.whole_model import quantize_model
 from tests.numerics import FLOAT64
 from tests.permissions import UMASK_CASES, modes, umask
 

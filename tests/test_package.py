@@ -23,11 +23,11 @@ FOUNDATION |= {"fileio"}  # files written whole or not at all: what assets, chec
 FOUNDATION |= {"profiler", "monitor"}  # measurement, like bench: the trainer marks its phases and logs through them
 SHARED = {"evaluate", "checkpoint", "train", "train_config"}
 SHARED |= {"calibration"}  # the engine under quant and prune, one floor below both: they never import each other
-TECHNIQUES = {"clean", "tokenizer", "shards", "activations", "parallel", "prune", "quant", "tasks", "lora"}
+TECHNIQUES = {"clean", "bpe", "shards", "activations", "parallel", "prune", "quant", "tasks", "lora"}
 TOP = {"cli", "__main__"}
 # Technique modules import each other only where one is built on the other.
 BUILT_ON = {
-    ("shards", "tokenizer"): "lab 01's shards are tagged with the tokenizer that made them",
+    ("shards", "bpe"): "lab 01's shards are tagged with the tokenizer that made them",
     ("lora", "tasks"): "fine-tuning trains and scores on the instruction task",
     ("lora", "quant"): "QLoRA trains adapters on the packed 4-bit base",
 }

@@ -191,7 +191,7 @@ def corpus() -> dict:
 @pytest.fixture(scope="module")
 def own_bpe_tokens(corpus):
     """Tokens of lab 01's stream in its largest own BPE (`tokenizers` learns labkit's merges)."""
-    from labkit.tokenizer import train_hf_bpe
+    from labkit.bpe import train_hf_bpe
 
     cache = {}
 

@@ -6,7 +6,7 @@ import torch
 from labkit.models import tiny_llama
 from labkit.quant.cache import quantize_model_cached
 from labkit.quant.formats import QuantConfig
-from labkit.quant.model import quantize_model
+from labkit.quant.whole_model import quantize_model
 
 CFG = QuantConfig(bits=4, group_size=32)
 

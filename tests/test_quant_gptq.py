@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from labkit.quant.checkpoint import pack_weight, unpack_weight
 from labkit.quant.formats import QuantConfig, quantize_rtn
 from labkit.quant.gptq import gptq_quantize, hessian_error
+from labkit.quant.gptq_format import pack_weight, unpack_weight
 
 
 def correlated_inputs(n: int, dim: int, seed: int = 0) -> torch.Tensor:

@@ -12,10 +12,10 @@ import torch
 
 from labkit.models import tiny_llama
 from labkit.quant import interop
-from labkit.quant.checkpoint import load_gptq, save_gptq, unpack_weight
 from labkit.quant.formats import QuantConfig
+from labkit.quant.gptq_format import load_gptq, save_gptq, unpack_weight
 from labkit.quant.interop import gptq_kernels, gptqmodel_available, load_with_transformers, quantize_with_gptqmodel
-from labkit.quant.model import quantize_model
+from labkit.quant.whole_model import quantize_model
 from labkit.torchutil import quiet
 
 FIXTURES = Path(__file__).parent / "fixtures"

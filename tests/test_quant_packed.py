@@ -10,8 +10,8 @@ import torch
 from labkit.models import tiny_llama
 from labkit.quant.formats import QuantConfig, quantize_rtn
 from labkit.quant.gptq import gptq_quantize
-from labkit.quant.model import quantize_model
 from labkit.quant.packed import CastEmbedding, CastLinear, PackedLinear, pack_model, store_embeddings
+from labkit.quant.whole_model import quantize_model
 from tests.numerics import FLOAT64
 
 

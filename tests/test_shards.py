@@ -125,7 +125,7 @@ def test_loader_throughput_refuses_more_batches_than_an_epoch_holds(shard_set):
 
 
 def test_tokenize_to_shards_with_either_tokenizer(tmp_path, default_model):
-    from labkit.tokenizer import train_bpe
+    from labkit.bpe import train_bpe
 
     texts = ["first document here", "second one"]
     _, hf = default_model

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import numpy as np
 
 from labcourse.checks.core import CheckFailed, as_rows, call_answer, goes_on_with, report_passed
-from labkit import data, tokenizer
+from labkit import bpe, data
 
 
 def _merge_overlapping(word: tuple[int, ...], a: int, b: int, new: int) -> tuple[int, ...]:
@@ -16,10 +16,10 @@ def _merge_overlapping(word: tuple[int, ...], a: int, b: int, new: int) -> tuple
 
 
 def _merge_right_to_left(word: tuple[int, ...], a: int, b: int, new: int) -> tuple[int, ...]:
-    return tokenizer.merge_pair(word[::-1], b, a, new)[::-1]
+    return bpe.merge_pair(word[::-1], b, a, new)[::-1]
 
 
-@goes_on_with(tokenizer.merge_pair, "tokenizer.merge_pair")
+@goes_on_with(bpe.merge_pair, "bpe.merge_pair")
 def check_merge_pair(fn: Callable[[tuple[int, ...], int, int, int], tuple[int, ...]]) -> Callable:
     """Lab 01: fn(word, a, b, new) replaces each (a, b) in `word`, left to right, without overlaps, by `new`."""
     exercise = "exercise 01.1 (one BPE merge)"
@@ -38,7 +38,7 @@ def check_merge_pair(fn: Callable[[tuple[int, ...], int, int, int], tuple[int, .
         _merge_right_to_left: "scan left to right: in (5, 5, 5) the first two 5s merge",
     }
     for word, a, b, new in cases:
-        expected = tokenizer.merge_pair(word, a, b, new)
+        expected = bpe.merge_pair(word, a, b, new)
         got = call_answer(exercise, fn, word, a, b, new)
         got = tuple(got) if isinstance(got, (tuple, list)) else got
         if got != expected:

@@ -32,9 +32,9 @@ is imported from its module (`from labkit.quant.gptq import ...`).
 from labkit.calibration import TOKENS_PER_INPUT, calibration_blocks, input_hessian, inverse_hessian_factor
 from labkit.quant.awq import awq_model
 from labkit.quant.cache import quantize_model_cached
-from labkit.quant.checkpoint import load_gptq, pack_rows, save_gptq
 from labkit.quant.formats import QuantConfig, bits_per_weight, grid, quantize_rtn
 from labkit.quant.gptq import gptq_quantize, hessian_error, quantize_column
+from labkit.quant.gptq_format import load_gptq, pack_rows, save_gptq
 from labkit.quant.interop import (
     gptq_kernels,
     gptqmodel_available,
@@ -42,9 +42,9 @@ from labkit.quant.interop import (
     load_with_transformers,
     quantize_with_gptqmodel,
 )
-from labkit.quant.model import METHODS, quantize_model, weight_bytes
 from labkit.quant.nf4 import quantize_model_nf4, quantize_nf4
 from labkit.quant.packed import NF4Linear, PackedLinear, pack_model, pack_model_nf4, store_embeddings
+from labkit.quant.whole_model import METHODS, quantize_model, weight_bytes
 
 __all__ = [
     "METHODS",

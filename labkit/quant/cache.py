@@ -20,9 +20,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from labkit import __version__, assets
-from labkit.quant.checkpoint import pack_rows, unpack_rows
 from labkit.quant.formats import QuantConfig, QuantizedWeight
-from labkit.quant.model import LayerRecord, QuantizedModel, quantize_model
+from labkit.quant.gptq_format import pack_rows, unpack_rows
+from labkit.quant.whole_model import LayerRecord, QuantizedModel, quantize_model
 
 META = "labkit-quantized.json"
 

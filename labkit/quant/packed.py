@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from labkit.quant.formats import QuantizedWeight
-from labkit.quant.model import QuantizedModel
 from labkit.quant.nf4 import NF4Model, NF4Weight
+from labkit.quant.whole_model import QuantizedModel
 from labkit.torchutil import module_name, replace_module
 
 PACKABLE_BITS = (2, 4, 8)  # whole codes per byte; 3-bit codes are packed only in checkpoints

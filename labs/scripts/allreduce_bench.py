@@ -9,7 +9,7 @@ import argparse
 import torch.distributed as dist
 
 from labcourse import results
-from labkit.parallel.data import time_all_reduce
+from labkit.parallel.ddp import time_all_reduce
 from labkit.parallel.launch import rank_context, save_result
 from labkit.parallel.ring import ring_all_reduce_
 

@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from labkit import precision
 from labkit.data import pad_batch
 from labkit.models import tiny_llama
-from labkit.parallel.data import BucketedDataParallel, all_reduce_gradients
+from labkit.parallel.ddp import BucketedDataParallel, all_reduce_gradients
 from labkit.parallel.launch import rank_context, save_result
 from labkit.parallel.ring import ring_all_reduce_
 from labkit.train import accumulate_gradients, as_batch

@@ -16,7 +16,7 @@ from torch import nn
 from labkit import __version__, fileio
 from labkit.models import is_saved_model
 from labkit.quant.formats import QuantConfig, QuantizedWeight
-from labkit.quant.model import QuantizedModel
+from labkit.quant.whole_model import QuantizedModel
 from labkit.torchutil import module_name
 
 

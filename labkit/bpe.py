@@ -9,7 +9,7 @@ exactly lossless.
 It is written to match Hugging Face `tokenizers` (ByteLevel pre-tokenizer + BpeTrainer): same split
 regex, same id order (special tokens, then the 256 bytes sorted by their printable stand-in), same
 tie-break between equally frequent pairs (the smaller pair of ids wins), so the two learn the same
-merges on the same corpus; `tests/test_tokenizer.py` checks it.
+merges on the same corpus; `tests/test_bpe.py` checks it.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from labkit import shards
 from labkit.parallel import launch
-from labkit.parallel.data import BucketedDataParallel
+from labkit.parallel.ddp import BucketedDataParallel
 
 
 def test_ddp_equals_one_process_on_the_whole_batch(dp_parity_results):

@@ -1,4 +1,4 @@
-"""labkit.quant.checkpoint: GPTQ packing and checkpoints, labkit's and GPTQModel's."""
+"""labkit.quant.gptq_format: GPTQ packing and checkpoints, labkit's and GPTQModel's."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from labkit.models import tiny_llama
-from labkit.quant import checkpoint
-from labkit.quant.checkpoint import load_gptq, pack_rows, pack_weight, save_gptq, unpack_rows, unpack_weight
+from labkit.quant import gptq_format
 from labkit.quant.formats import BITS, QuantConfig, quantize_rtn
-from labkit.quant.model import quantize_model
+from labkit.quant.gptq_format import load_gptq, pack_rows, pack_weight, save_gptq, unpack_rows, unpack_weight
+from labkit.quant.whole_model import quantize_model
 from tests.permissions import UMASK_CASES, modes, umask
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -107,7 +107,7 @@ def test_failed_save_keeps_the_previous_checkpoint(tiny, tmp_path, monkeypatch):
     qm = quantize_model(tiny, QuantConfig(bits=4, group_size=32), method="rtn", progress=False)
     save_gptq(qm, None, tmp_path / "q")
     before = sorted(p.name for p in (tmp_path / "q").iterdir())
-    monkeypatch.setattr(checkpoint, "pack_weight", lambda q: (_ for _ in ()).throw(RuntimeError("disk full")))
+    monkeypatch.setattr(gptq_format, "pack_weight", lambda q: (_ for _ in ()).throw(RuntimeError("disk full")))
     with pytest.raises(RuntimeError, match="disk full"):
         save_gptq(qm, None, tmp_path / "q")
     assert sorted(p.name for p in (tmp_path / "q").iterdir()) == before
@@ -141,7 +141,7 @@ def test_a_gptqmodel_checkpoint_loads_into_labkit():
 def test_gptq_checkpoints_get_the_modes_the_umask_gives(tiny, tmp_path, mask, file_mode, dir_mode):
     from transformers import PreTrainedTokenizerFast
 
-    from labkit.tokenizer import train_bpe
+    from labkit.bpe import train_bpe
 
     bpe = train_bpe(["hello world"] * 3, 270, progress=False)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe.to_hf(), eos_token="<|endoftext|>")

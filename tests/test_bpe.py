@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from labkit import tokenizer as T
+from labkit import bpe as T
 from labkit.data import load_corpus
 from tests.permissions import UMASK_CASES, modes, umask
 

@@ -1,4 +1,4 @@
-"""labkit.quant.model: whole models quantized block by block (the sweep itself: tests/test_calibration.py)."""
+"""labkit.quant.whole_model: whole models quantized block by block (the sweep itself: tests/test_calibration.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from labkit.calibration import TOKENS_PER_INPUT
 from labkit.models import tiny_llama
 from labkit.quant.formats import QuantConfig
-from labkit.quant.model import METHODS, quantize_model
+from labkit.quant.whole_model import METHODS, quantize_model
 
 
 @pytest.fixture(scope="module")
