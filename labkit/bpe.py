@@ -33,6 +33,7 @@ from labkit.fileio import atomic_write_text
 GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 _split = regex.compile(GPT2_SPLIT)
 DEFAULT_SPECIALS = ("<|endoftext|>",)
+Pair = tuple[int, int]  # two adjacent token ids
 
 
 @lru_cache(maxsize=1)
@@ -225,6 +226,15 @@ def train_bpe(
     texts: Iterable[str], vocab_size: int, special_tokens: Iterable[str] = DEFAULT_SPECIALS, progress: bool = True
 ) -> BPETokenizer:
     """Learn merges until the vocabulary (specials + 256 bytes + merges) reaches vocab_size."""
+    special_tokens = _check_training_input(texts, vocab_size, special_tokens)
+    base = BPETokenizer([], special_tokens)  # the special tokens and the 256 bytes, no merge yet
+    counts = count_pretokens(texts)
+    words = [tuple(base.byte_id[b] for b in w.encode("utf-8")) for w in counts]
+    merges = learn_merges(words, list(counts.values()), base.vocab, vocab_size, progress)
+    return BPETokenizer(merges, special_tokens)
+
+
+def _check_training_input(texts: Iterable[str], vocab_size: int, special_tokens: Iterable[str]) -> list[str]:
     if isinstance(texts, (str, bytes)):
         raise TypeError("texts must be an iterable of strings (documents), not one string: pass [text]")
     if not isinstance(vocab_size, int) or isinstance(vocab_size, bool):  # torchutil.is_int, without torch
@@ -235,37 +245,33 @@ def train_bpe(
             f"vocab_size {vocab_size} is too small: byte-level BPE needs 256 byte tokens plus "
             f"{len(special_tokens)} special token(s) = {256 + len(special_tokens)} before any merge"
         )
-    base = BPETokenizer([], special_tokens)
+    return special_tokens
+
+
+def count_pretokens(texts: Iterable[str]) -> Counter[str]:
+    """How often each pre-token occurs in the documents: training handles each distinct one once, weighted."""
     counts: Counter[str] = Counter()
     for text in texts:
         _utf8(text)
         counts.update(pretokenize(text))
     if not counts:
         raise ValueError("cannot train a tokenizer on an empty corpus")
+    return counts
 
-    words = [tuple(base.byte_id[b] for b in w.encode("utf-8")) for w in counts]
-    freqs = list(counts.values())
-    vocab = list(base.vocab)
+
+def learn_merges(
+    words: list[tuple[int, ...]], freqs: list[int], vocab: list[bytes], vocab_size: int, progress: bool = True
+) -> list[tuple[bytes, bytes]]:
+    """The BPE loop: merge the most frequent pair of ids into a new token until there are vocab_size tokens."""
+    words, vocab = list(words), list(vocab)
     ids = {tok: i for i, tok in enumerate(vocab)}
-    pair_counts: defaultdict[tuple[int, int], int] = defaultdict(int)
-    where: defaultdict[tuple[int, int], set[int]] = defaultdict(set)  # pair -> words that contain it
-    for i, w in enumerate(words):
-        for p in zip(w, w[1:]):
-            pair_counts[p] += freqs[i]
-            where[p].add(i)
+    pair_counts, where = count_pairs(words, freqs)
     # Max-heap by count; among equal counts the smaller pair of ids comes first (as in `tokenizers`).
     heap = [(-c, p) for p, c in pair_counts.items()]
     heapq.heapify(heap)
     merges: list[tuple[bytes, bytes]] = []
     bar = tqdm(total=vocab_size - len(vocab), desc="BPE merges", disable=not progress, leave=False)
-    while len(ids) < vocab_size and heap:
-        neg, pair = heapq.heappop(heap)
-        if -neg != pair_counts.get(pair, 0):  # stale entry: its count changed since it was pushed
-            if pair_counts.get(pair, 0) > 0:
-                heapq.heappush(heap, (-pair_counts[pair], pair))
-            continue
-        if -neg <= 0:
-            break
+    while len(ids) < vocab_size and (pair := pop_most_frequent(heap, pair_counts)) is not None:
         a, b = pair
         merged = vocab[a] + vocab[b]
         new = ids.get(merged)
@@ -274,26 +280,63 @@ def train_bpe(
             vocab.append(merged)
             bar.update(1)
         merges.append((vocab[a], vocab[b]))
-        touched = set()
-        for i in where.pop(pair):
-            old, f = words[i], freqs[i]
-            updated = merge_pair(old, a, b, new)
-            if updated == old:
-                continue
-            for p in zip(old, old[1:]):
-                pair_counts[p] -= f
-                touched.add(p)
-            for p in zip(updated, updated[1:]):
-                pair_counts[p] += f
-                where[p].add(i)
-                touched.add(p)
-            words[i] = updated
-        pair_counts.pop(pair, None)
-        for p in touched:
+        for p in merge_words(words, freqs, pair, new, pair_counts, where):
             if pair_counts.get(p, 0) > 0:
                 heapq.heappush(heap, (-pair_counts[p], p))
     bar.close()
-    return BPETokenizer(merges, special_tokens)
+    return merges
+
+
+def count_pairs(
+    words: list[tuple[int, ...]], freqs: list[int]
+) -> tuple[defaultdict[Pair, int], defaultdict[Pair, set[int]]]:
+    """How often each adjacent pair occurs (each word counted freqs times), and the indices of the words holding it."""
+    pair_counts: defaultdict[Pair, int] = defaultdict(int)
+    where: defaultdict[Pair, set[int]] = defaultdict(set)
+    for i, w in enumerate(words):
+        for p in zip(w, w[1:]):
+            pair_counts[p] += freqs[i]
+            where[p].add(i)
+    return pair_counts, where
+
+
+def pop_most_frequent(heap: list[tuple[int, Pair]], pair_counts: dict[Pair, int]) -> Pair | None:
+    """Pop the most frequent pair (the smaller one on a tie) off the heap of (-count, pair); None once it is empty."""
+    while heap:
+        neg, pair = heapq.heappop(heap)
+        count = pair_counts.get(pair, 0)
+        if -neg == count:
+            return pair
+        if count > 0:  # stale entry, its count changed since it was pushed: push it back at its count now
+            heapq.heappush(heap, (-count, pair))
+    return None
+
+
+def merge_words(
+    words: list[tuple[int, ...]],
+    freqs: list[int],
+    pair: Pair,
+    new: int,
+    pair_counts: defaultdict[Pair, int],
+    where: defaultdict[Pair, set[int]],
+) -> set[Pair]:
+    """Merge pair into new in every word that holds it, keeping pair_counts and where current; the pairs it touched."""
+    touched = set()
+    for i in where.pop(pair):  # only the words that hold the pair are revisited
+        old, f = words[i], freqs[i]
+        updated = merge_pair(old, *pair, new)
+        if updated == old:
+            continue
+        for p in zip(old, old[1:]):
+            pair_counts[p] -= f
+            touched.add(p)
+        for p in zip(updated, updated[1:]):
+            pair_counts[p] += f
+            where[p].add(i)
+            touched.add(p)
+        words[i] = updated
+    pair_counts.pop(pair, None)
+    return touched
 
 
 def train_hf_bpe(texts: Iterable[str], vocab_size: int, special_tokens: Iterable[str] = DEFAULT_SPECIALS):

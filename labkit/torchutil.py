@@ -126,6 +126,24 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     raise ValueError(f"cannot find the decoder blocks of {type(model).__name__} (looked for {looked})")
 
 
+def decoder_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """The nn.Linear layers inside the decoder blocks, by their dotted names in `model`; none is an error."""
+    layers = decoder_layers(model)
+    prefix = module_name(model, layers)
+    linears = {
+        f"{prefix}.{i}.{name}": m
+        for i, block in enumerate(layers)
+        for name, m in block.named_modules()
+        if isinstance(m, nn.Linear)
+    }
+    if not linears:
+        raise ValueError(
+            f"no nn.Linear inside the decoder blocks of {type(model).__name__} "
+            "(GPT-2's Conv1D layers are not supported)"
+        )
+    return linears
+
+
 def activation_checkpointing(model: nn.Module, on: bool | None = None) -> bool:
     """Whether a transformers model recomputes activations in the backward; turn it on or off when `on` is given.
 

@@ -1,5 +1,6 @@
 """Byte-level BPE: exact parity with `tokenizers`, lossless round trips, tokenizer.json, clear errors."""
 
+import heapq
 import json
 
 import numpy as np
@@ -121,6 +122,25 @@ def test_training_stops_when_no_pair_is_left():
     tok = T.train_bpe(["ab ab"], 1000, progress=False)  # pre-tokens "ab" and " ab"
     assert tok.merges == [(b"a", b"b"), (b" ", b"ab")] == T.hf_merges(T.train_hf_bpe(["ab ab"], 1000))
     assert tok.vocab_size == 257 + 2  # each pre-token is one token: nothing left to merge
+
+
+def test_merge_words_keeps_the_pair_counts_equal_to_a_recount():
+    words, freqs = [(1, 2, 1, 2, 3), (2, 1, 2), (1, 2), (3, 3)], [2, 5, 1, 4]
+    pair_counts, where = T.count_pairs(words, freqs)
+    assert dict(pair_counts) == {(1, 2): 2 * 2 + 5 + 1, (2, 1): 2 + 5, (2, 3): 2, (3, 3): 4}  # by hand
+    touched = T.merge_words(words, freqs, (1, 2), 9, pair_counts, where)
+    assert words == [(9, 9, 3), (2, 9), (9,), (3, 3)]
+    recount, rewhere = T.count_pairs(words, freqs)
+    assert {p: c for p, c in pair_counts.items() if c} == dict(recount)  # the incremental counts, and a recount
+    assert all(rewhere[p] <= where[p] for p in rewhere)  # every word holding a pair is still found under it
+    assert touched == {(1, 2), (2, 1), (2, 3), (9, 9), (9, 3), (2, 9)}
+
+
+def test_pop_most_frequent_skips_stale_entries_and_breaks_ties_by_the_smaller_pair():
+    counts = {(5, 6): 3, (1, 2): 3, (0, 9): 1}
+    heap = [(-7, (5, 6)), (-3, (1, 2)), (-1, (0, 9)), (-4, (8, 8))]  # (5, 6) was 7 and (8, 8) is gone
+    heapq.heapify(heap)
+    assert [T.pop_most_frequent(heap, counts) for _ in range(4)] == [(1, 2), (5, 6), (0, 9), None]
 
 
 @pytest.mark.parametrize("mask, file_mode, dir_mode", UMASK_CASES)

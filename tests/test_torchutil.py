@@ -20,6 +20,21 @@ def test_decoder_layers_finds_llama_and_gpt2_blocks_and_names_what_it_looked_for
         torchutil.decoder_layers(nn.Linear(2, 2))
 
 
+def test_decoder_linears_names_every_block_linear_in_order_and_refuses_blocks_without_one():
+    llama = tiny_llama(num_layers=2)
+    expected = [
+        f"model.layers.{i}.{name}"
+        for i in range(2)
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+        + ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    ]
+    linears = torchutil.decoder_linears(llama)
+    assert list(linears) == expected
+    assert all(m is llama.get_submodule(name) for name, m in linears.items())
+    with pytest.raises(ValueError, match=r"no nn.Linear inside the decoder blocks of GPT2LMHeadModel .*Conv1D"):
+        torchutil.decoder_linears(tiny_gpt2())
+
+
 def test_activation_checkpointing_switches_a_transformers_model_and_refuses_others():
     model = tiny_llama()
     assert torchutil.activation_checkpointing(model) is False

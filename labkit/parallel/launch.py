@@ -182,62 +182,72 @@ def launch(
     where = placement(nproc, visible_gpus(), env.get(DEVICE_ENV))
     (echo or print)(f"labkit: {where.reason}")
     me = _process_id()
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(script),
+        *(args or []),
+    ]
     with tempfile.TemporaryDirectory(prefix="labkit-launch-") as out:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            str(script),
-            *(args or []),
-        ]
-        proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-            env={
-                **env,
-                RESULT_ENV: out,
-                DEVICE_ENV: where.device_type,
-                LAUNCHER_ENV: me,
-                "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
-            },
-        )
-        lines: list[str] = []
+        job_env = {
+            **env,
+            RESULT_ENV: out,
+            DEVICE_ENV: where.device_type,
+            LAUNCHER_ENV: me,
+            "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+        }
+        code, lines = _run_job(cmd, job_env, timeout, echo, script.name)
+        return _rank_results(Path(out), script.name, code, lines)
 
-        def pump() -> None:
-            for line in proc.stdout:
-                lines.append(line)
-                if echo:
-                    echo(line.rstrip("\n"))
 
-        reader = threading.Thread(target=pump, daemon=True)
-        reader.start()
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_tree(proc)
-            raise TimeoutError(
-                f"{script.name} did not finish within {timeout:.0f} s and was killed; "
-                "last output:\n" + "".join(lines[-20:])
-            ) from None
-        except BaseException:  # an interrupted notebook cell, Ctrl-C: stop the job before giving up
-            _kill_tree(proc)
-            raise
-        finally:
-            reader.join(timeout=5)
-        errors = sorted(Path(out).glob("error_rank*.txt"))
-        if errors:
-            raise RankError(f"{errors[0].stem.replace('error_', '')} of {script.name} failed:\n{errors[0].read_text()}")
-        if code != 0:
-            raise RankError(f"{script.name} exited with {code}; last output:\n" + "".join(lines[-30:]))
-        return [
-            json.loads(p.read_text())
-            for p in sorted(Path(out).glob("result_rank*.json"), key=lambda p: int(p.stem.removeprefix("result_rank")))
-        ]
+def _run_job(
+    cmd: list[str], env: dict[str, str], timeout: float, echo: Callable[[str], None] | None, name: str
+) -> tuple[int, list[str]]:
+    """Run cmd in a session of its own, streaming its log to echo; its exit code and log lines. Past timeout, or
+    on an interrupt, the whole process tree is killed."""
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env
+    )
+    lines: list[str] = []
+
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if echo:
+                echo(line.rstrip("\n"))
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc)
+        raise TimeoutError(
+            f"{name} did not finish within {timeout:.0f} s and was killed; last output:\n" + "".join(lines[-20:])
+        ) from None
+    except BaseException:  # an interrupted notebook cell, Ctrl-C: stop the job before giving up
+        _kill_tree(proc)
+        raise
+    finally:
+        reader.join(timeout=5)
+    return code, lines
+
+
+def _rank_results(out: Path, name: str, code: int, lines: list[str]) -> list[dict[str, Any]]:
+    """Each rank's saved result, in rank order; a RankError with the first failing rank's traceback, or with the
+    end of the log when the job failed before a rank could write one."""
+    errors = sorted(out.glob("error_rank*.txt"))
+    if errors:
+        raise RankError(f"{errors[0].stem.replace('error_', '')} of {name} failed:\n{errors[0].read_text()}")
+    if code != 0:
+        raise RankError(f"{name} exited with {code}; last output:\n" + "".join(lines[-30:]))
+    return [
+        json.loads(p.read_text())
+        for p in sorted(out.glob("result_rank*.json"), key=lambda p: int(p.stem.removeprefix("result_rank")))
+    ]
 
 
 def _process_id(pid: int | None = None) -> str:

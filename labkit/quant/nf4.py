@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from labkit.torchutil import check_bool, check_int, check_module, decoder_layers, is_int, module_name
+from labkit.torchutil import check_bool, check_int, check_module, decoder_linears, is_int
 
 # The outermost quantile used for the grid's ends: midway between 1 - 1/(2·15) and 1 - 1/(2·16) (the two
 # sides have 7 and 8 steps), written to 7 digits as the QLoRA code has it. The grid is computed from this
@@ -224,19 +224,7 @@ def quantize_model_nf4(
     check_bool("progress", progress)
     if not inplace:
         model = copy.deepcopy(model)
-    layers = decoder_layers(model)
-    prefix = module_name(model, layers)
-    linears = {
-        f"{prefix}.{i}.{name}": m
-        for i, block in enumerate(layers)
-        for name, m in block.named_modules()
-        if isinstance(m, nn.Linear)
-    }
-    if not linears:
-        raise ValueError(
-            f"no nn.Linear inside the decoder blocks of {type(model).__name__} "
-            "(GPT-2's Conv1D layers are not supported)"
-        )
+    linears = decoder_linears(model)
     start = time.perf_counter()
     bar = tqdm(linears.items(), desc="NF4", disable=not progress, leave=False)
     weights = {name: quantize_nf4(m.weight, blocksize, double_quant) for name, m in bar}

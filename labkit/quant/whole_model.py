@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from labkit.calibration import TOKENS_PER_INPUT, calibrated_sweep, check_calibration
 from labkit.quant.formats import QuantConfig, QuantizedWeight, bits_per_weight, quantize_rtn
 from labkit.quant.gptq import gptq_quantize, relative_errors
-from labkit.torchutil import check_bool, check_int, check_module, decoder_layers, eval_mode, module_name
+from labkit.torchutil import check_bool, check_int, check_module, decoder_linears, eval_mode
 
 METHODS = ("rtn", "gptq")
 
@@ -73,53 +73,59 @@ def quantize_model(
     check_int("batch_size", batch_size, minimum=1)
     check_bool("inplace", inplace)
     check_bool("progress", progress)
-    layers = decoder_layers(model)
-    linears = [m for block in layers for m in block.modules() if isinstance(m, nn.Linear)]
-    if not linears:
-        raise ValueError(
-            f"no nn.Linear inside the decoder blocks of {type(model).__name__} "
-            "(GPT-2's Conv1D layers are not supported)"
-        )
-    for m in linears:
-        cfg.width(m.in_features)  # fail before any work if a group size does not fit
-        if not torch.isfinite(m.weight).all():  # or RTN would stop at this layer, the ones before it quantized
-            raise ValueError(f"the weight of {module_name(model, m)} holds NaN or inf values: nothing was quantized")
-    tokens = 0
-    if method == "gptq":
-        check_calibration(model, calibration, "GPTQ")
-        tokens = calibration.numel()
-        widest = max(m.in_features for m in linears)
-        if tokens < widest:
-            raise ValueError(
-                f"{tokens} calibration tokens are too few: a layer with {widest} inputs needs at "
-                f"least {widest} for a full-rank Hessian (GPTQ used 128 x 2048)"
-            )
-        if tokens < TOKENS_PER_INPUT * widest:
-            warnings.warn(
-                f"{tokens} calibration tokens for a layer with {widest} inputs: under "
-                f"{TOKENS_PER_INPUT * widest} the Hessian is nearly singular, GPTQ fits the calibration "
-                "text and its result changes with the CPU's rounding; pass more tokens",
-                stacklevel=2,
-            )
+    linears = _quantizable_linears(model, cfg)
+    tokens = _calibration_tokens(model, calibration, linears) if method == "gptq" else 0
 
     if not inplace:
         model = copy.deepcopy(model)
-        layers = decoder_layers(model)
-    prefix = module_name(model, layers)
     result = QuantizedModel(model, cfg, method, {}, calibration_tokens=tokens)
     start = time.perf_counter()
     with eval_mode(model):
         if method == "rtn":
-            for i, block in enumerate(tqdm(layers, desc="RTN", disable=not progress, leave=False)):
-                for name, m in block.named_modules():
-                    if isinstance(m, nn.Linear):
-                        t0 = time.perf_counter()
-                        q = quantize_rtn(m.weight, cfg)
-                        _store(result, f"{prefix}.{i}.{name}", m, q, None, None, time.perf_counter() - t0)
+            _rtn_layers(result, progress)
         else:
             _gptq_blocks(result, calibration, batch_size, progress)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _quantizable_linears(model: nn.Module, cfg: QuantConfig) -> list[nn.Linear]:
+    """The decoder's linears, checked before any work: cfg's groups fit each one and its weight is finite."""
+    linears = decoder_linears(model)
+    for name, m in linears.items():
+        cfg.width(m.in_features)  # fail before any work if a group size does not fit
+        if not torch.isfinite(m.weight).all():  # or RTN would stop at this layer, the ones before it quantized
+            raise ValueError(f"the weight of {name} holds NaN or inf values: nothing was quantized")
+    return list(linears.values())
+
+
+def _calibration_tokens(model: nn.Module, calibration: torch.Tensor | None, linears: list[nn.Linear]) -> int:
+    """How many calibration tokens GPTQ gets: an error below a full-rank Hessian for the widest layer, a warning
+    below TOKENS_PER_INPUT per input."""
+    check_calibration(model, calibration, "GPTQ")
+    tokens = calibration.numel()
+    widest = max(m.in_features for m in linears)
+    if tokens < widest:
+        raise ValueError(
+            f"{tokens} calibration tokens are too few: a layer with {widest} inputs needs at "
+            f"least {widest} for a full-rank Hessian (GPTQ used 128 x 2048)"
+        )
+    if tokens < TOKENS_PER_INPUT * widest:
+        warnings.warn(
+            f"{tokens} calibration tokens for a layer with {widest} inputs: under "
+            f"{TOKENS_PER_INPUT * widest} the Hessian is nearly singular, GPTQ fits the calibration "
+            "text and its result changes with the CPU's rounding; pass more tokens",
+            stacklevel=3,  # the line that called quantize_model
+        )
+    return tokens
+
+
+def _rtn_layers(result: QuantizedModel, progress: bool) -> None:
+    """Round every decoder linear of result.model to the nearest code, one at a time."""
+    for name, m in tqdm(decoder_linears(result.model).items(), desc="RTN", disable=not progress, leave=False):
+        t0 = time.perf_counter()
+        q = quantize_rtn(m.weight, result.config)
+        _store(result, name, m, q, None, None, time.perf_counter() - t0)
 
 
 def _store(
