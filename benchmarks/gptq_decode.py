@@ -20,6 +20,10 @@ from labkit.data import load_corpus
 from labkit.models import DEFAULT_MODEL, load_model
 from labkit.profiles import get_profile
 
+# gpu-check's steps for this script and the goals its runs measure (labcourse.gpucheck reads these literals)
+GPU_CHECK = [{"name": "GPTQ 4-bit decode vs fp16", "args": ["--device", "cuda"], "timeout_s": 1200}]
+GPU_GOALS = [{"goal": "GPTQ 4-bit / fp16 decode speed, batch 1", "target": "> 1", "figure": ["speedup"], "best": "max"}]
+
 
 def main() -> None:
     profile = get_profile()

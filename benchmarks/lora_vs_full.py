@@ -21,6 +21,9 @@ from labkit.data import load_corpus
 from labkit.models import count_parameters, load_model
 from labkit.profiles import get_profile
 
+# gpu-check's steps for this script (labcourse.gpucheck reads this literal without importing the script)
+GPU_CHECK = [{"name": "LoRA vs full fine-tune memory", "args": [], "timeout_s": 2400}]
+
 LEARNING_RATES = {"full": 5e-5, "lora": 1e-3, "qlora": 1e-3}
 
 

@@ -22,6 +22,17 @@ from labkit.models import llama_shape, tiny_llama
 from labkit.parallel import launch, memory
 from labkit.profiles import get_profile
 
+# gpu-check's steps for this script and the goals its runs measure (labcourse.gpucheck reads these literals)
+GPU_CHECK = [{"name": "sharded memory and checkpointing", "args": [], "timeout_s": 1800}]
+GPU_GOALS = [
+    {
+        "goal": "activation checkpointing step time, with / without",
+        "target": "<= 1.4",
+        "figure": ["checkpointing_time_ratio"],
+        "best": "min",
+    }
+]
+
 SCRIPT = Path(__file__).resolve().parents[1] / "labs" / "scripts" / "sharding.py"
 SMOLLM2_VOCAB = 49152
 

@@ -19,6 +19,21 @@ from labkit import bench, flops, precision
 from labkit.models import tiny_gpt2
 from labkit.train import TrainConfig, fit
 
+# gpu-check's steps for this script and the goals its runs measure (labcourse.gpucheck reads these literals)
+GPU_CHECK = [
+    {"name": "precision and MFU, eager", "args": ["--device", "cuda"], "timeout_s": 1200},
+    {"name": "precision and MFU, torch.compile", "args": ["--device", "cuda", "--compile"], "timeout_s": 1800},
+]
+GPU_GOALS = [
+    {
+        "goal": "bf16 MFU, GPT-2 small, torch.compile",
+        "target": ">= 0.55",
+        "figure": ["modes", "bf16", "mfu"],
+        "best": "max",
+        "where": {"compile": True},
+    }
+]
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -17,6 +17,17 @@ from labcourse import results
 from labkit import bench, prune
 from labkit.models import count_parameters, load_model
 
+# gpu-check's steps for this script and the goals its runs measure (labcourse.gpucheck reads these literals)
+GPU_CHECK = [{"name": "pruning speed and 2:4 kernels", "args": ["--device", "cuda"], "timeout_s": 1200}]
+GPU_GOALS = [
+    {
+        "goal": "2:4 sparse linear speed-up, 8192 x 8192",
+        "target": "> 1",
+        "figure": ["semi_structured", "8192x8192", "speedup"],
+        "best": "max",
+    }
+]
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

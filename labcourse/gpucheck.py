@@ -4,6 +4,7 @@ CUDA, the CPU-side checks only, and a plain statement that nothing GPU-side was 
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -22,43 +23,32 @@ from labkit.torchutil import as_path, check_bool, check_int
 ROOT = Path(__file__).resolve().parent.parent
 SIZES_TEST = ROOT / "tests" / "test_profiles.py"  # every profile's sizes against the offline data (seconds)
 
-# The course's GPU goals: (target, how to read the measured figure from this check's benchmark runs, each
-# {"benchmark": name, **figures}).
-# Printed beside the measurement, never failed: they are speed figures.
-GOALS: dict[str, tuple[str, Callable[[list[dict[str, Any]]], float | None]]] = {
-    "bf16 MFU, GPT-2 small, torch.compile": (
-        ">= 0.55",
-        lambda records: _best(
-            r.get("modes", {}).get("bf16", {}).get("mfu")
-            for r in records
-            if r.get("benchmark") == "precision_mfu" and r.get("compile")
+# A script under DECLARING declares its own gpu-check steps, and the course goals its runs measure, as module-level
+# literals: gpu-check reads them with ast.literal_eval and never imports the script (the scripts import torch;
+# `gpu-check --plan` stays cheap). A step runs the script with `--results FOLDER` and its args (under torchrun: a
+# rank per GPU, at least `gpus`, at most 8). A goal is printed beside the best `figure` (a key path) among the runs
+# the script saved (results.save_run) that match `where`: a speed figure, reported and never failed.
+DECLARING = ("benchmarks", "labs/scripts")  # benchmarks first; each folder's scripts by file name
+DECLARED = {  # declaration -> key -> (test, what it must be)
+    "GPU_CHECK": {
+        "name": (lambda v: isinstance(v, str) and v != "", "a non-empty str"),
+        "args": (lambda v: isinstance(v, list) and all(isinstance(a, str) for a in v), "a list of str"),
+        "timeout_s": (lambda v: type(v) is int and v >= 1, "an int >= 1 (seconds)"),
+        "gpus": (lambda v: type(v) is int and v >= 1, "an int >= 1 (optional, default 1)"),
+        "torchrun": (lambda v: isinstance(v, bool), "True or False (optional, default False)"),
+    },
+    "GPU_GOALS": {
+        "goal": (lambda v: isinstance(v, str) and v != "", "a non-empty str"),
+        "target": (lambda v: isinstance(v, str) and v != "", "a non-empty str, e.g. '>= 0.55'"),
+        "figure": (
+            lambda v: isinstance(v, list) and v != [] and all(isinstance(k, str) for k in v),
+            "a non-empty list of keys",
         ),
-    ),
-    "2:4 sparse linear speed-up, 8192 x 8192": (
-        "> 1",
-        lambda records: _best(
-            r.get("semi_structured", {}).get("8192x8192", {}).get("speedup")
-            for r in records
-            if r.get("benchmark") == "pruning_speed"
-        ),
-    ),
-    "GPTQ 4-bit / fp16 decode speed, batch 1": (
-        "> 1",
-        lambda records: _best(r.get("speedup") for r in records if r.get("benchmark") == "gptq_decode"),
-    ),
-    "activation checkpointing step time, with / without": (
-        "<= 1.4",
-        lambda records: _best(
-            (r.get("checkpointing_time_ratio") for r in records if r.get("benchmark") == "memory_at_scale"),
-            lowest=True,
-        ),
-    ),
+        "best": (lambda v: v in ("max", "min"), "'max' or 'min'"),
+        "where": (lambda v: isinstance(v, dict), "a dict of figure -> value the run must have (optional)"),
+    },
 }
-
-
-def _best(values: Any, lowest: bool = False) -> float | None:
-    found = [v for v in values if v is not None]
-    return (min if lowest else max)(found) if found else None
+OPTIONAL = {"gpus", "torchrun", "where"}
 
 
 @dataclass(frozen=True)
@@ -72,40 +62,129 @@ class Step:
     env: dict[str, str] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Goal:
+    """A course GPU goal: its target, and the figure it reads from one benchmark's runs (the best one)."""
+
+    target: str
+    benchmark: str
+    figure: tuple[str, ...]
+    best: str  # "max" or "min"
+    where: dict[str, Any] = field(default_factory=dict)
+
+    def read(self, records: list[dict[str, Any]]) -> float | None:
+        """The best `figure` among the `records` ({"benchmark": name, **figures}) of this benchmark that match
+        `where`; None when none has it."""
+        found = []
+        for record in records:
+            if record.get("benchmark") != self.benchmark or any(record.get(k) != v for k, v in self.where.items()):
+                continue
+            value: Any = record
+            for key in self.figure:
+                value = value.get(key) if isinstance(value, dict) else None
+            if value is not None:
+                found.append(value)
+        return (max if self.best == "max" else min)(found) if found else None
+
+
+def _declared(script: Path) -> tuple[dict[str, list[dict[str, Any]]], set[str]]:
+    """The checked GPU_CHECK / GPU_GOALS of `script` and the names it saves runs under, read without importing it;
+    ValueError naming the file for a malformed declaration."""
+    text = script.read_text(encoding="utf-8")
+    if not any(name in text for name in DECLARED):
+        return {}, set()
+    try:
+        tree = ast.parse(text, filename=str(script))
+    except SyntaxError as err:
+        raise ValueError(f"{script}: cannot be parsed to read its gpu-check declaration: {err}") from err
+    found: dict[str, Any] = {}
+    for node in tree.body:
+        target = node.target if isinstance(node, ast.AnnAssign) else getattr(node, "targets", [None])[0]
+        if not isinstance(target, ast.Name) or target.id not in DECLARED:
+            continue
+        if target.id in found:
+            raise ValueError(f"{script}: {target.id} is assigned twice (line {node.lineno}); declare it once")
+        try:
+            found[target.id] = ast.literal_eval(node.value)
+        except (ValueError, TypeError, SyntaxError) as err:
+            raise ValueError(
+                f"{script}: {target.id} (line {node.lineno}) must be a literal: lists, dicts, strings, numbers, "
+                "no names or calls (gpu-check reads it without importing the script)"
+            ) from err
+    for name, entries in found.items():
+        keys = DECLARED[name]
+        if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) for e in entries):
+            raise ValueError(f"{script}: {name} must be a non-empty list of dicts with keys {list(keys)}")
+        for i, entry in enumerate(entries):
+            missing, unknown = sorted(keys.keys() - OPTIONAL - entry.keys()), sorted(entry.keys() - keys.keys())
+            if missing or unknown:
+                raise ValueError(
+                    f"{script}: {name}[{i}] lacks {missing} or has unknown keys {unknown}; its keys: {list(keys)}"
+                )
+            for key, value in entry.items():
+                test, what = keys[key]
+                if not test(value):
+                    raise ValueError(f"{script}: {name}[{i}][{key!r}] must be {what}, got {value!r}")
+    saves = {  # save_run("name", ...) calls, the name written out
+        node.args[0].value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "attr", getattr(node.func, "id", None)) == "save_run"
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+    }
+    return found, saves
+
+
+def _declarations(root: Path) -> list[tuple[Path, list[dict[str, Any]], dict[str, Goal]]]:
+    """(script, steps, goals by name) for every script in DECLARING that declares any, in order; ValueError naming
+    the file for a malformed declaration or a step or goal name that another script declares too."""
+    declared = []
+    owners: dict[str, Path] = {}
+    for folder in DECLARING:
+        for script in sorted((root / folder).glob("*.py")):
+            found, saves = _declared(script)
+            if not found:
+                continue
+            steps, goals = found.get("GPU_CHECK", []), found.get("GPU_GOALS", [])
+            if goals and len(saves) != 1:
+                raise ValueError(
+                    f"{script}: GPU_GOALS reads the runs the script saves, but it saves them under "
+                    f"{sorted(saves) or 'no name'}: call results.save_run once, with the name written out"
+                )
+            for name in [s["name"] for s in steps] + [g["goal"] for g in goals]:
+                if name in owners:
+                    raise ValueError(f"{script}: {name!r} is declared in {owners[name]} too: give each its own name")
+                owners[name] = script
+            benchmark = next(iter(saves), "")  # the one name its runs have (checked above when it has goals)
+            read = {
+                g["goal"]: Goal(g["target"], benchmark, tuple(g["figure"]), g["best"], g.get("where", {}))
+                for g in goals
+            }
+            declared.append((script, steps, read))
+    return declared
+
+
+def goals(root: Path = ROOT) -> dict[str, Goal]:
+    """The course's GPU goals by name, as the scripts under `root` declare them (GPU_GOALS)."""
+    return {name: goal for _, _, read in _declarations(as_path("root", root)) for name, goal in read.items()}
+
+
 def plan(gpus: int, runs: Path, root: Path = ROOT) -> list[Step]:
-    """The GPU steps for a machine with `gpus` CUDA devices: benchmarks first (minutes), each saving its run under
-    `runs` (`results.save_run`), then every lab under the gpu profile. A step that needs more GPUs than there are
-    is kept, to be reported skipped."""
+    """The GPU steps for a machine with `gpus` CUDA devices: the steps the scripts declare (GPU_CHECK; benchmarks/,
+    then labs/scripts/, each by file name), each saving its run under `runs` (`results.save_run`), then every lab
+    under the gpu profile. A step that needs more GPUs than there are is kept, to be reported skipped."""
     check_int("gpus", gpus)
     runs, root = as_path("runs", runs), as_path("root", root)
     py = sys.executable
-
-    def benchmark(script: str, *args: str) -> list[str]:
-        return [py, str(root / "benchmarks" / script), "--results", str(runs), *args]
-
-    steps = [
-        Step("precision and MFU, eager", benchmark("precision_mfu.py", "--device", "cuda"), 1200),
-        Step("precision and MFU, torch.compile", benchmark("precision_mfu.py", "--device", "cuda", "--compile"), 1800),
-        Step("pruning speed and 2:4 kernels", benchmark("pruning_speed.py", "--device", "cuda"), 1200),
-        Step("GPTQ 4-bit decode vs fp16", benchmark("gptq_decode.py", "--device", "cuda"), 1200),
-        Step("LoRA vs full fine-tune memory", benchmark("lora_vs_full.py"), 2400),
-        Step("sharded memory and checkpointing", benchmark("memory_at_scale.py"), 1800),
-        Step(
-            "all-reduce on NCCL",
-            [
-                py,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                f"--nproc_per_node={max(2, min(gpus, 8))}",
-                str(root / "labs" / "scripts" / "allreduce_bench.py"),
-                "--results",
-                str(runs),
-            ],
-            600,
-            gpus=2,
-        ),
-    ]
+    steps = []
+    for script, declared, _ in _declarations(root):
+        for step in declared:
+            need = step.get("gpus", 1)
+            ranks = f"--nproc_per_node={max(need, min(gpus, 8))}"  # a rank per GPU, on one node
+            launcher = [py, "-m", "torch.distributed.run", "--standalone", ranks] if step.get("torchrun") else [py]
+            command = [*launcher, str(script), "--results", str(runs), *step["args"]]
+            steps.append(Step(step["name"], command, step["timeout_s"], gpus=need))
     for notebook in sorted((root / "labs").glob("[0-9][0-9]_*.ipynb")):
         steps.append(
             Step(
@@ -229,7 +308,7 @@ def gpu_check(output: Path, *, run_labs: bool = True, echo: Callable[[str], None
             if path not in before
         ]
         report["goals"] = {
-            goal: {"target": target, "measured": read(report["benchmarks"])} for goal, (target, read) in GOALS.items()
+            name: {"target": goal.target, "measured": goal.read(report["benchmarks"])} for name, goal in goals().items()
         }
         echo(summary(report))
     fileio.atomic_write_text(output, json.dumps(report, indent=1, default=str))

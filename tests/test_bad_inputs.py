@@ -374,6 +374,7 @@ CASES = [
     ("plan-gpus-text", lambda: gpucheck.plan("2", TMP), TypeError, "gpus must be an int, got '2'"),
     ("plan-gpus-negative", lambda: gpucheck.plan(-1, TMP), ValueError, "gpus must be an int >= 0, got -1"),
     ("plan-runs", lambda: gpucheck.plan(1, None), TypeError, "runs must be a path.*got None"),
+    ("goals-root", lambda: gpucheck.goals(None), TypeError, "root must be a path.*got None"),
     ("run_step-step", lambda: gpucheck.run_step("echo", 1, TMP), TypeError, "step must be a gpucheck.Step"),
     ("run_step-echo", lambda: gpucheck.run_step(gpucheck.Step("x", ["true"], 1), 1, TMP, echo=3), TypeError, "echo must be callable"),
     ("gpu_check-output-dir", lambda: gpucheck.gpu_check(TMP), IsADirectoryError, "output .* is a directory: give a file name"),

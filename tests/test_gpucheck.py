@@ -1,5 +1,6 @@
 """`labcourse gpu-check`: without CUDA it checks what a CPU can and says nothing GPU-side was measured; its
-plan covers every lab and GPU benchmark; a step's failure, time-out or missing GPUs is reported, not fatal."""
+plan covers every lab and the steps each script declares (GPU_CHECK, read without importing it; a malformed one is
+refused naming the file); a step's failure, time-out or missing GPUs is reported, not fatal."""
 
 import json
 import sys
@@ -27,23 +28,142 @@ def test_without_cuda_it_runs_the_cpu_checks_and_exits_0(tmp_path, capsys, monke
     assert checks["profile sizes vs the data"]["ok"] and "2 passed" in checks["profile sizes vs the data"]["detail"]
 
 
-@pytest.mark.parametrize("gpus, all_reduce_ranks", [(1, 2), (2, 2), (8, 8)])
+# The real plan's GPU steps, in order: what benchmarks/*.py and labs/scripts/*.py declare (GPU_CHECK), each folder
+# by file name: (name, script, args after --results, timeout in seconds, GPUs).
+REAL_STEPS = [
+    ("GPTQ 4-bit decode vs fp16", "benchmarks/gptq_decode.py", ["--device", "cuda"], 1200, 1),
+    ("LoRA vs full fine-tune memory", "benchmarks/lora_vs_full.py", [], 2400, 1),
+    ("sharded memory and checkpointing", "benchmarks/memory_at_scale.py", [], 1800, 1),
+    ("precision and MFU, eager", "benchmarks/precision_mfu.py", ["--device", "cuda"], 1200, 1),
+    ("precision and MFU, torch.compile", "benchmarks/precision_mfu.py", ["--device", "cuda", "--compile"], 1800, 1),
+    ("pruning speed and 2:4 kernels", "benchmarks/pruning_speed.py", ["--device", "cuda"], 1200, 1),
+    ("all-reduce on NCCL", "labs/scripts/allreduce_bench.py", [], 600, 2),  # NCCL needs a GPU per rank
+]
+
+
+@pytest.mark.parametrize("gpus, all_reduce_ranks", [(0, 2), (1, 2), (2, 2), (8, 8)])
 def test_the_plan_covers_every_lab_and_gpu_benchmark(tmp_path, gpus, all_reduce_ranks):
-    steps = {s.name: s for s in gpucheck.plan(gpus, tmp_path)}
+    steps = gpucheck.plan(gpus, tmp_path)
     labs = sorted(p.stem for p in (gpucheck.ROOT / "labs").glob("[0-9][0-9]_*.ipynb"))
-    assert len(labs) >= 9 and all(steps[f"lab {lab}"].env == {"LABKIT_PROFILE": "gpu"} for lab in labs)
-    for name, script in (
-        ("precision and MFU, torch.compile", "precision_mfu.py"),
-        ("pruning speed and 2:4 kernels", "pruning_speed.py"),
-        ("GPTQ 4-bit decode vs fp16", "gptq_decode.py"),
-        ("LoRA vs full fine-tune memory", "lora_vs_full.py"),
-        ("sharded memory and checkpointing", "memory_at_scale.py"),
-    ):
-        command = steps[name].command
-        assert command[1].endswith(script) and command[command.index("--results") + 1] == str(tmp_path)
-    assert "--compile" in steps["precision and MFU, torch.compile"].command
-    assert f"--nproc_per_node={all_reduce_ranks}" in steps["all-reduce on NCCL"].command
-    assert steps["all-reduce on NCCL"].gpus == 2  # NCCL needs a GPU per rank: skipped on one GPU
+    assert len(labs) >= 9 and [s.name for s in steps] == [n for n, *_ in REAL_STEPS] + [f"lab {lab}" for lab in labs]
+    for step, (name, script, args, timeout_s, need) in zip(steps, REAL_STEPS):
+        ranks = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={all_reduce_ranks}"]
+        launcher = [PY, *ranks] if name == "all-reduce on NCCL" else [PY]
+        assert step.command == [*launcher, str(gpucheck.ROOT / script), "--results", str(tmp_path), *args]
+        assert (step.timeout_s, step.gpus, step.env) == (timeout_s, need, {})
+    for step, lab in zip(steps[len(REAL_STEPS) :], labs):
+        assert step.command[-1] == str(gpucheck.ROOT / "labs" / f"{lab}.ipynb") and "--nbval-lax" in step.command
+        assert (step.timeout_s, step.gpus, step.env) == (5400, 1, {"LABKIT_PROFILE": "gpu"})
+
+
+NEW_BENCHMARK = """import not_installed_anywhere  # gpu-check reads the declaration without importing the script
+
+from labcourse import results
+
+GPU_CHECK = [
+    {"name": "new, small", "args": ["--size", "1"], "timeout_s": 60},
+    {"name": "new, large", "args": ["--size", "9"], "timeout_s": 90},
+]
+GPU_GOALS = [
+    {"goal": "new speed-up", "target": "> 2", "figure": ["speed", "up"], "best": "max", "where": {"size": 9}},
+    {"goal": "new step time", "target": "< 1", "figure": ["seconds"], "best": "min"},
+]
+
+
+def main():
+    results.save_run("new_bench", {"speed": {"up": 3.0}})
+"""
+
+
+def fake_root(tmp_path, **files):
+    """A repository with the given scripts ({"benchmarks/x.py": source}) and one lab."""
+    for name, source in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(source)
+    (tmp_path / "labs").mkdir(exist_ok=True)
+    (tmp_path / "labs" / "01_lab.ipynb").write_text("{}")
+    return tmp_path
+
+
+def test_a_benchmark_that_declares_its_steps_joins_the_plan_and_its_goals_are_read(tmp_path):
+    root = fake_root(
+        tmp_path / "repo",
+        **{
+            "benchmarks/new_bench.py": NEW_BENCHMARK,
+            "benchmarks/a_plain.py": "print('no GPU_CHECK here')\n",
+            "labs/scripts/ranks.py": 'GPU_CHECK = [{"name": "ranks", "args": [], "timeout_s": 5, "gpus": 4, '
+            '"torchrun": True}]\n',
+        },
+    )
+    runs = tmp_path / "runs"
+    script = str(root / "benchmarks" / "new_bench.py")
+    torchrun = [PY, "-m", "torch.distributed.run", "--standalone"]
+    assert [(s.name, s.command, s.timeout_s, s.gpus) for s in gpucheck.plan(2, runs, root)][:3] == [
+        ("new, small", [PY, script, "--results", str(runs), "--size", "1"], 60, 1),
+        ("new, large", [PY, script, "--results", str(runs), "--size", "9"], 90, 1),
+        ("ranks", [*torchrun, "--nproc_per_node=4", str(root / "labs/scripts/ranks.py"), "--results", str(runs)], 5, 4),
+    ]
+    assert [s.name for s in gpucheck.plan(8, runs, root)][2:] == ["ranks", "lab 01_lab"]
+    assert "--nproc_per_node=8" in gpucheck.plan(8, runs, root)[2].command  # a rank per GPU, at least 4
+    goals = gpucheck.goals(root)
+    assert {name: (g.target, g.benchmark) for name, g in goals.items()} == {
+        "new speed-up": ("> 2", "new_bench"),
+        "new step time": ("< 1", "new_bench"),
+    }
+    records = [
+        {"benchmark": "new_bench", "size": 9, "speed": {"up": 2.5}, "seconds": 0.9},
+        {"benchmark": "new_bench", "size": 9, "speed": {"up": 3.5}, "seconds": 0.7},
+        {"benchmark": "new_bench", "size": 1, "speed": {"up": 7.0}, "seconds": 0.2},  # not where size is 9
+        {"benchmark": "new_bench", "size": 9, "speed": "n/a"},  # a figure the path cannot reach: skipped
+        {"benchmark": "other", "size": 9, "speed": {"up": 9.0}, "seconds": 0.1},  # another benchmark's run
+    ]
+    assert goals["new speed-up"].read(records) == 3.5 and goals["new step time"].read(records) == 0.2
+    assert goals["new speed-up"].read(records[2:]) is None
+
+
+@pytest.mark.parametrize(
+    "source, problem",
+    [
+        ("GPU_CHECK = steps()", "GPU_CHECK .line 1. must be a literal"),
+        ("GPU_CHECK = {'name': 'x'}", "GPU_CHECK must be a non-empty list of dicts"),
+        ("GPU_CHECK = []", "GPU_CHECK must be a non-empty list of dicts"),
+        (
+            "GPU_CHECK = [{'name': 'x', 'args': [], 'timeout': 9}]",
+            r"GPU_CHECK\[0\] lacks \['timeout_s'\] or has unknown keys \['timeout'\]",
+        ),
+        (
+            "GPU_CHECK = [{'name': 'x', 'args': '--a', 'timeout_s': 9}]",
+            r"GPU_CHECK\[0\]\['args'\] must be a list of str",
+        ),
+        ("GPU_CHECK = [{'name': 'x', 'args': [], 'timeout_s': 0}]", r"\['timeout_s'\] must be an int >= 1"),
+        (
+            "GPU_CHECK = [{'name': 'x', 'args': [], 'timeout_s': 9, 'torchrun': 1}]",
+            r"\['torchrun'\] must be True or False",
+        ),
+        ("GPU_CHECK = [{'name': 'x', 'args': [], 'timeout_s': 9, 'gpus': True}]", r"\['gpus'\] must be an int >= 1"),
+        ("GPU_CHECK = [{'name': 'x', 'args': [], 'timeout_s': 9}]\nGPU_CHECK = []", "GPU_CHECK is assigned twice"),
+        ("GPU_CHECK = [{'name': 'x', 'args': [], 'timeout_s': 9}\n", "cannot be parsed"),
+        (
+            "GPU_GOALS = [{'goal': 'g', 'target': '> 1', 'figure': ['x'], 'best': 'most'}]",
+            r"\['best'\] must be 'max' or 'min'",
+        ),
+        ("GPU_GOALS = [{'goal': 'g', 'target': '> 1', 'figure': ['x'], 'best': 'max'}]", "saves them under no name"),
+        (
+            "GPU_CHECK = [{'name': 'precision and MFU, eager', 'args': [], 'timeout_s': 9}]",
+            "'precision and MFU, eager' is declared in .*precision_mfu.py too",
+        ),
+    ],
+)
+def test_a_malformed_declaration_is_refused_naming_the_file(tmp_path, source, problem):
+    root = fake_root(
+        tmp_path, **{"benchmarks/precision_mfu.py": (gpucheck.ROOT / "benchmarks/precision_mfu.py").read_text()}
+    )
+    bad = root / "labs" / "scripts" / "zz_bad.py"  # read after benchmarks/: a name shared with one is found here
+    bad.parent.mkdir(parents=True)
+    bad.write_text(source)
+    for read in (lambda: gpucheck.plan(1, tmp_path, root), lambda: gpucheck.goals(root)):
+        with pytest.raises(ValueError, match=f"^{bad}: .*{problem}"):
+            read()
 
 
 def test_steps_report_failure_timeout_and_missing_gpus(tmp_path):
@@ -66,6 +186,8 @@ def test_a_gpu_run_writes_every_step_and_reads_the_goals(tmp_path, monkeypatch, 
         ("precision_mfu", {"compile": True, "modes": {"bf16": {"mfu": 0.52}}}),
         ("precision_mfu", {"compile": False, "modes": {"bf16": {"mfu": 0.61}}}),
         ("pruning_speed", {"semi_structured": {"8192x8192": {"speedup": 1.4}}}),
+        ("memory_at_scale", {"checkpointing_time_ratio": 1.3}),
+        ("memory_at_scale", {"checkpointing_time_ratio": 1.2}),  # the lowest is the goal's reading
     ]
     old = tmp_path / "pruning_speed" / "20200101-000000-old.json"  # an earlier check's run: not this one's
     old.parent.mkdir()
@@ -88,13 +210,13 @@ def test_a_gpu_run_writes_every_step_and_reads_the_goals(tmp_path, monkeypatch, 
     assert cli.main(["gpu-check", "-o", str(tmp_path / "gpu.json")]) == 1  # a lab failed
     report = json.loads((tmp_path / "gpu.json").read_text())
     assert [(s["step"], s["status"]) for s in report["steps"]] == [("bench", "passed"), ("lab 99", "failed")]
-    assert len(report["benchmarks"]) == 3
+    assert len(report["benchmarks"]) == 5
     measured = {goal: g["measured"] for goal, g in report["goals"].items()}
     assert measured == {
         "bf16 MFU, GPT-2 small, torch.compile": 0.52,
         "2:4 sparse linear speed-up, 8192 x 8192": 1.4,
         "GPTQ 4-bit / fp16 decode speed, batch 1": None,
-        "activation checkpointing step time, with / without": None,
+        "activation checkpointing step time, with / without": 1.2,
     }
     out = capsys.readouterr().out
     assert "GPTQ 4-bit / fp16 decode speed, batch 1: target > 1, not measured" in out

@@ -13,6 +13,9 @@ from labkit.parallel.ddp import time_all_reduce
 from labkit.parallel.launch import rank_context, save_result
 from labkit.parallel.ring import ring_all_reduce_
 
+# gpu-check's step for this script: NCCL needs a GPU per rank (labcourse.gpucheck reads this literal)
+GPU_CHECK = [{"name": "all-reduce on NCCL", "args": [], "timeout_s": 600, "gpus": 2, "torchrun": True}]
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
