@@ -37,14 +37,15 @@ def main() -> None:
     model, tok = load_model()
     cfg = quant.QuantConfig(bits=args.bits, group_size=args.group_size, damp=args.damp)
     calib = quant.calibration_blocks(tok, load_corpus("wiki", "train"), args.blocks, args.block_size)
-    texts = load_corpus("wiki", "validation")[: args.documents]
 
     def ppl(m) -> float:
-        return evaluate.perplexity(m, tok, texts, max_length=profile.eval_max_length, progress=False).perplexity
+        return evaluate.split_perplexity(
+            m, tok, documents=args.documents, max_length=profile.eval_max_length, progress=False
+        ).perplexity
 
     print(
         f"{cfg.label()}, damp {cfg.damp}, {calib.numel()} calibration tokens ({args.blocks} x {args.block_size}), "
-        f"{len(texts)} validation articles, {bench.device_name()}"
+        f"{args.documents} validation articles, {bench.device_name()}"
     )
     methods = {"fp32": {"ppl": ppl(model)}}
     rtn = quant.quantize_model(model, cfg, method="rtn", progress=False)
@@ -87,7 +88,7 @@ def main() -> None:
             "config": cfg.label(),
             "damp": cfg.damp,
             "calibration_tokens": calib.numel(),
-            "documents": len(texts),
+            "documents": args.documents,
             "methods": methods,
             **summary,
         },

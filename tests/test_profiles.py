@@ -102,8 +102,9 @@ LAB_LINES = {
         "for nproc in (1, 2):",
     ],
     "06_magnitude_pruning": [
-        "eval_texts = validation[: profile.eval_documents]",
-        "probe_texts = validation[: profile.sensitivity_documents]",
+        "def ppl(m, documents=profile.eval_documents):",
+        "evaluate.split_perplexity(m, tokenizer, documents=documents, max_length=profile.eval_max_length",
+        "probe = lambda m: ppl(m, profile.sensitivity_documents)",
         "stream = torch.tensor(evaluate.token_stream(tokenizer, train_texts[:64]))",
         "calibration = list(stream[: 8 * profile.finetune_block_size].view(8, -1).split(2))",
         'paths = shards.tokenize_to_shards(train_texts, tokenizer, OUT / "shards")',
@@ -115,7 +116,7 @@ LAB_LINES = {
         "wanda_half(calibration[:n])",
     ],
     "07_gptq_quantization": [
-        'eval_texts = load_corpus("wiki", "validation")[: profile.eval_documents]',
+        "evaluate.split_perplexity(m, tokenizer, documents=profile.eval_documents, max_length=profile.eval_max_length",
         'calibration = quant.calibration_blocks(tokenizer, load_corpus("wiki", "train"),',
         'held_out = quant.calibration_blocks(tokenizer, load_corpus("wiki", "validation"),',
         "x = calibration[:1, :256].to(device)",
@@ -123,6 +124,7 @@ LAB_LINES = {
     "08_lora_finetuning": [
         'train_examples = tasks.title_examples("train")[: profile.lora_steps * profile.lora_batch_size]',
         'held_out = tasks.title_examples("validation", limit=profile.lora_eval_examples)',
+        "evaluate.split_perplexity(m, tokenizer, documents=profile.eval_documents, max_length=profile.eval_max_length",
         'calibration = quant.calibration_blocks(tokenizer, load_corpus("wiki", "train"),',
     ],
     "09_memory_at_scale": [
@@ -209,9 +211,9 @@ def draws(p: profiles.Profile, corpus: dict, own_bpe_tokens) -> list[Draw]:
     """What every lab asks of the data under profile p, beside what the data holds."""
     train, val = corpus["train"], corpus["validation"]
     rows = [
-        Draw("00 06 07", "validation articles scored (eval_documents)", p.eval_documents, len(val)),
+        Draw("00 06 07 08", "validation articles scored (eval_documents)", p.eval_documents, len(val)),
         Draw(
-            "00 06 07",
+            "00 06 07 08",
             "a full perplexity window (eval_max_length) in their tokens",
             p.eval_max_length,
             stream_tokens(val[: p.eval_documents]),
