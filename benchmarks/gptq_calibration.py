@@ -26,7 +26,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, nargs="+", default=[8, 32, 128], help="calibration windows per run")
     parser.add_argument("--block-size", type=int, default=512)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="random draws of windows per size")
-    parser.add_argument("--documents", type=int, default=profile.eval_documents)
+    parser.add_argument("--documents", type=int, default=profile.eval.documents)
     parser.add_argument("--results", default="results", help="folder for this run's JSON file")
     args = parser.parse_args()
     if min(args.blocks) < 1 or not args.seeds:
@@ -38,11 +38,11 @@ def main() -> None:
 
     def ppl(m) -> float:
         return evaluate.split_perplexity(
-            m, tok, documents=args.documents, max_length=profile.eval_max_length, progress=False
+            m, tok, documents=args.documents, max_length=profile.eval.max_length, progress=False
         ).perplexity
 
     print(
-        f"{cfg.label()}, {args.documents} validation articles, window {profile.eval_max_length}, {bench.device_name()}"
+        f"{cfg.label()}, {args.documents} validation articles, window {profile.eval.max_length}, {bench.device_name()}"
     )
     fp32 = ppl(model)
     rtn = ppl(quant.quantize_model(model, cfg, method="rtn", progress=False).model)

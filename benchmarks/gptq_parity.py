@@ -26,9 +26,9 @@ def main() -> None:
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--damp", type=float, default=0.01)
-    parser.add_argument("--blocks", type=int, default=profile.calibration_blocks)
-    parser.add_argument("--block-size", type=int, default=profile.calibration_block_size)
-    parser.add_argument("--documents", type=int, default=profile.eval_documents)
+    parser.add_argument("--blocks", type=int, default=profile.quant.calibration_blocks)
+    parser.add_argument("--block-size", type=int, default=profile.quant.calibration_block_size)
+    parser.add_argument("--documents", type=int, default=profile.eval.documents)
     parser.add_argument("--results", default="results", help="folder for this run's JSON file")
     args = parser.parse_args()
     if not quant.gptqmodel_available():
@@ -40,7 +40,7 @@ def main() -> None:
 
     def ppl(m) -> float:
         return evaluate.split_perplexity(
-            m, tok, documents=args.documents, max_length=profile.eval_max_length, progress=False
+            m, tok, documents=args.documents, max_length=profile.eval.max_length, progress=False
         ).perplexity
 
     print(

@@ -31,7 +31,7 @@ def main() -> None:
     parser.add_argument("--sparsities", type=_sparsity, nargs="+", default=[0.5, (2, 4)])
     parser.add_argument("--blocks", type=int, default=16, help="calibration windows")
     parser.add_argument("--block-size", type=int, default=512)
-    parser.add_argument("--documents", type=int, default=profile.eval_documents)
+    parser.add_argument("--documents", type=int, default=profile.eval.documents)
     parser.add_argument("--results", default="results", help="folder for this run's JSON file")
     args = parser.parse_args()
 
@@ -41,7 +41,7 @@ def main() -> None:
 
     def ppl() -> float:
         return evaluate.split_perplexity(
-            model, tok, documents=args.documents, max_length=profile.eval_max_length, progress=False
+            model, tok, documents=args.documents, max_length=profile.eval.max_length, progress=False
         ).perplexity
 
     print(f"{calib.numel()} calibration tokens, {args.documents} validation articles, {bench.device_name()}")

@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--blocks", type=int, default=16, help="calibration windows (AWQ, GPTQ)")
     parser.add_argument("--block-size", type=int, default=512)
-    parser.add_argument("--documents", type=int, default=profile.eval_documents)
+    parser.add_argument("--documents", type=int, default=profile.eval.documents)
     parser.add_argument("--repeats", type=int, default=3, help="NF4 timing repeats")
     parser.add_argument("--results", default="results", help="folder for this run's JSON file")
     args = parser.parse_args()
@@ -71,10 +71,10 @@ def main() -> None:
 
     def ppl(m) -> float:
         return evaluate.split_perplexity(
-            m, tok, documents=args.documents, max_length=profile.eval_max_length, progress=False
+            m, tok, documents=args.documents, max_length=profile.eval.max_length, progress=False
         ).perplexity
 
-    print(f"{args.documents} validation articles, window {profile.eval_max_length}, {calib.numel()} calibration tokens")
+    print(f"{args.documents} validation articles, window {profile.eval.max_length}, {calib.numel()} calibration tokens")
     print(f"{bench.device_name()}, {torch.get_num_threads()} threads")
     rows = [{"method": "fp32", "bits": 32.0, "seconds": 0.0, "ppl": ppl(model)}]
 

@@ -112,8 +112,8 @@ def split_perplexity(
 ) -> Perplexity:
     """`perplexity` of `model` on the first `documents` texts of a corpus split, in non-overlapping windows.
 
-    How the labs and benchmarks score a model: `documents=profile.eval_documents` validation articles at
-    `max_length=profile.eval_max_length`. More documents than the split holds are refused, not cut short.
+    How the labs and benchmarks score a model: `documents=profile.eval.documents` validation articles at
+    `max_length=profile.eval.max_length`. More documents than the split holds are refused, not cut short.
     """
     check_module(model)
     check_int("documents", documents, minimum=1)

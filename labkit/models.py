@@ -192,12 +192,12 @@ def lab_llama(vocab_size: int, profile, seed: int = 0) -> nn.Module:
     """The small Llama that labs 02-03 train from scratch: SmolLM2's shape, sized by the run profile."""
     return tiny_llama(
         vocab_size=vocab_size,
-        hidden_size=profile.lm_hidden,
-        num_layers=profile.lm_layers,
+        hidden_size=profile.train.hidden,
+        num_layers=profile.train.layers,
         num_heads=4,
         num_kv_heads=2,
-        intermediate_size=3 * profile.lm_hidden,
-        max_position_embeddings=profile.block_size,
+        intermediate_size=3 * profile.train.hidden,
+        max_position_embeddings=profile.train.block_size,
         seed=seed,
     )
 

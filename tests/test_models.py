@@ -107,10 +107,10 @@ def test_lab_llama_is_sized_by_the_profile():
     model = models.lab_llama(1000, PROFILES["smoke"], seed=0)
     cfg = model.config
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size, cfg.max_position_embeddings) == (
-        PROFILES["smoke"].lm_hidden,
-        PROFILES["smoke"].lm_layers,
-        3 * PROFILES["smoke"].lm_hidden,
-        PROFILES["smoke"].block_size,
+        PROFILES["smoke"].train.hidden,
+        PROFILES["smoke"].train.layers,
+        3 * PROFILES["smoke"].train.hidden,
+        PROFILES["smoke"].train.block_size,
     )
     assert cfg.num_key_value_heads == 2 and cfg.vocab_size == 1000
 
