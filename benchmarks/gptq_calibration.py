@@ -26,7 +26,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, nargs="+", default=[8, 32, 128], help="calibration windows per run")
     parser.add_argument("--block-size", type=int, default=512)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="random draws of windows per size")
-    parser.add_argument("--documents", type=int, default=profile.eval_documents)
+    parser.add_argument("--documents", type=int, default=profile.eval.documents)
     parser.add_argument("--results", default="results", help="folder for this run's JSON file")
     args = parser.parse_args()
     if min(args.blocks) < 1 or not args.seeds:
@@ -35,12 +35,15 @@ def main() -> None:
     model, tok = load_model()
     cfg = quant.QuantConfig(bits=args.bits, group_size=args.group_size)
     train_texts = load_corpus("wiki", "train")
-    texts = load_corpus("wiki", "validation")[: args.documents]
 
     def ppl(m) -> float:
-        return evaluate.perplexity(m, tok, texts, max_length=profile.eval_max_length, progress=False).perplexity
+        return evaluate.split_perplexity(
+            m, tok, documents=args.documents, max_length=profile.eval.max_length, progress=False
+        ).perplexity
 
-    print(f"{cfg.label()}, {len(texts)} validation articles, window {profile.eval_max_length}, {bench.device_name()}")
+    print(
+        f"{cfg.label()}, {args.documents} validation articles, window {profile.eval.max_length}, {bench.device_name()}"
+    )
     fp32 = ppl(model)
     rtn = ppl(quant.quantize_model(model, cfg, method="rtn", progress=False).model)
     print(f"fp32 {fp32:.2f}, RTN {rtn:.2f}")
@@ -65,7 +68,7 @@ def main() -> None:
         {
             "config": cfg.label(),
             "block_size": args.block_size,
-            "documents": len(texts),
+            "documents": args.documents,
             "fp32": fp32,
             "rtn": rtn,
             "runs": runs,

@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=profile.bench_repeats)
+    parser.add_argument("--repeats", type=int, default=profile.timing.repeats)
     parser.add_argument("--results", default="results", help="folder for this run's JSON file")
     args = parser.parse_args()
     if not quant.gptqmodel_available():

@@ -26,9 +26,9 @@ def main() -> None:
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--damp", type=float, default=0.01)
-    parser.add_argument("--blocks", type=int, default=profile.calibration_blocks)
-    parser.add_argument("--block-size", type=int, default=profile.calibration_block_size)
-    parser.add_argument("--documents", type=int, default=profile.eval_documents)
+    parser.add_argument("--blocks", type=int, default=profile.quant.calibration_blocks)
+    parser.add_argument("--block-size", type=int, default=profile.quant.calibration_block_size)
+    parser.add_argument("--documents", type=int, default=profile.eval.documents)
     parser.add_argument("--results", default="results", help="folder for this run's JSON file")
     args = parser.parse_args()
     if not quant.gptqmodel_available():
@@ -37,14 +37,15 @@ def main() -> None:
     model, tok = load_model()
     cfg = quant.QuantConfig(bits=args.bits, group_size=args.group_size, damp=args.damp)
     calib = quant.calibration_blocks(tok, load_corpus("wiki", "train"), args.blocks, args.block_size)
-    texts = load_corpus("wiki", "validation")[: args.documents]
 
     def ppl(m) -> float:
-        return evaluate.perplexity(m, tok, texts, max_length=profile.eval_max_length, progress=False).perplexity
+        return evaluate.split_perplexity(
+            m, tok, documents=args.documents, max_length=profile.eval.max_length, progress=False
+        ).perplexity
 
     print(
         f"{cfg.label()}, damp {cfg.damp}, {calib.numel()} calibration tokens ({args.blocks} x {args.block_size}), "
-        f"{len(texts)} validation articles, {bench.device_name()}"
+        f"{args.documents} validation articles, {bench.device_name()}"
     )
     methods = {"fp32": {"ppl": ppl(model)}}
     rtn = quant.quantize_model(model, cfg, method="rtn", progress=False)
@@ -87,7 +88,7 @@ def main() -> None:
             "config": cfg.label(),
             "damp": cfg.damp,
             "calibration_tokens": calib.numel(),
-            "documents": len(texts),
+            "documents": args.documents,
             "methods": methods,
             **summary,
         },

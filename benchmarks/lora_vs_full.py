@@ -36,7 +36,10 @@ def run_one(method: str, args: argparse.Namespace) -> dict:
     if method == "qlora":
         profile = get_profile()
         calibration = quant.calibration_blocks(
-            tokenizer, load_corpus("wiki", "train"), profile.calibration_blocks, profile.calibration_block_size
+            tokenizer,
+            load_corpus("wiki", "train"),
+            profile.quant.calibration_blocks,
+            profile.quant.calibration_block_size,
         )
         qm = quant.quantize_model(
             model, quant.QuantConfig(bits=4, group_size=64), calibration, inplace=True, progress=False
@@ -70,10 +73,10 @@ def run_one(method: str, args: argparse.Namespace) -> dict:
 def main() -> None:
     profile = get_profile()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=profile.lora_steps)
-    parser.add_argument("--batch-size", type=int, default=profile.lora_batch_size)
-    parser.add_argument("--max-length", type=int, default=profile.lora_max_length)
-    parser.add_argument("--eval-examples", type=int, default=profile.lora_eval_examples)
+    parser.add_argument("--steps", type=int, default=profile.lora.steps)
+    parser.add_argument("--batch-size", type=int, default=profile.lora.batch_size)
+    parser.add_argument("--max-length", type=int, default=profile.lora.max_length)
+    parser.add_argument("--eval-examples", type=int, default=profile.lora.eval_examples)
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--targets", nargs="+", default=["q_proj", "v_proj"])
     parser.add_argument("--methods", nargs="+", choices=sorted(LEARNING_RATES), default=["full", "lora", "qlora"])

@@ -31,19 +31,20 @@ def main() -> None:
     parser.add_argument("--sparsities", type=_sparsity, nargs="+", default=[0.5, (2, 4)])
     parser.add_argument("--blocks", type=int, default=16, help="calibration windows")
     parser.add_argument("--block-size", type=int, default=512)
-    parser.add_argument("--documents", type=int, default=profile.eval_documents)
+    parser.add_argument("--documents", type=int, default=profile.eval.documents)
     parser.add_argument("--results", default="results", help="folder for this run's JSON file")
     args = parser.parse_args()
 
     model, tok = load_model()
     calib = quant.calibration_blocks(tok, load_corpus("wiki", "train"), args.blocks, args.block_size)
-    texts = load_corpus("wiki", "validation")[: args.documents]
     dense = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
     def ppl() -> float:
-        return evaluate.perplexity(model, tok, texts, max_length=profile.eval_max_length, progress=False).perplexity
+        return evaluate.split_perplexity(
+            model, tok, documents=args.documents, max_length=profile.eval.max_length, progress=False
+        ).perplexity
 
-    print(f"{calib.numel()} calibration tokens, {len(texts)} validation articles, {bench.device_name()}")
+    print(f"{calib.numel()} calibration tokens, {args.documents} validation articles, {bench.device_name()}")
     runs = [{"method": "dense", "sparsity": 0.0, "ppl": ppl(), "seconds": 0.0}]
     print(f"dense: perplexity {runs[0]['ppl']:.2f}")
     for sparsity in args.sparsities:
@@ -63,7 +64,7 @@ def main() -> None:
             print(f"{label:>5} {method:>9}: perplexity {runs[-1]['ppl']:9.2f}, {zeros:.1%} zeros, {seconds:.0f} s")
     results.save_run(
         "pruning_calibrated",
-        {"calibration_tokens": calib.numel(), "documents": len(texts), "runs": runs},
+        {"calibration_tokens": calib.numel(), "documents": args.documents, "runs": runs},
         root=args.results,
     )
 

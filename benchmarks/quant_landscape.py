@@ -60,24 +60,21 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--blocks", type=int, default=16, help="calibration windows (AWQ, GPTQ)")
     parser.add_argument("--block-size", type=int, default=512)
-    parser.add_argument("--documents", type=int, default=profile.eval_documents)
+    parser.add_argument("--documents", type=int, default=profile.eval.documents)
     parser.add_argument("--repeats", type=int, default=3, help="NF4 timing repeats")
     parser.add_argument("--results", default="results", help="folder for this run's JSON file")
     args = parser.parse_args()
 
     model, tok = load_model()
-    texts = load_corpus("wiki", "validation")[: args.documents]
     calib = quant.calibration_blocks(tok, load_corpus("wiki", "train"), args.blocks, args.block_size)
     g4 = quant.QuantConfig(bits=4, group_size=args.group_size)
 
     def ppl(m) -> float:
-        return evaluate.perplexity(m, tok, texts, max_length=profile.eval_max_length, progress=False).perplexity
+        return evaluate.split_perplexity(
+            m, tok, documents=args.documents, max_length=profile.eval.max_length, progress=False
+        ).perplexity
 
-    def bits(qm) -> float:
-        sizes = quant.weight_bytes(qm)
-        return 8 * sizes["quantized"] / sizes["weights"]
-
-    print(f"{len(texts)} validation articles, window {profile.eval_max_length}, {calib.numel()} calibration tokens")
+    print(f"{args.documents} validation articles, window {profile.eval.max_length}, {calib.numel()} calibration tokens")
     print(f"{bench.device_name()}, {torch.get_num_threads()} threads")
     rows = [{"method": "fp32", "bits": 32.0, "seconds": 0.0, "ppl": ppl(model)}]
 
@@ -86,10 +83,10 @@ def main() -> None:
         print(f"{method:<26} {bits_per_weight:5.2f} bits/weight  perplexity {rows[-1]['ppl']:8.2f}  ({seconds:.0f} s)")
 
     q8 = quant.quantize_model(model, quant.QuantConfig(bits=8, group_size=-1), method="rtn", progress=False)
-    add("RTN 8-bit per channel", q8.model, bits(q8), q8.seconds)
+    add("RTN 8-bit per channel", q8.model, q8.bits_per_weight(), q8.seconds)
     del q8
     q4 = quant.quantize_model(model, g4, method="rtn", progress=False)
-    add(f"RTN {g4.label()}", q4.model, bits(q4), q4.seconds)
+    add(f"RTN {g4.label()}", q4.model, q4.bits_per_weight(), q4.seconds)
     del q4
     nf4 = quant.quantize_model_nf4(model, progress=False)
     add("NF4 + double quant", nf4.model, nf4.bits_per_weight(), nf4.seconds)
@@ -97,12 +94,12 @@ def main() -> None:
     scaled = awq_model(model, calib, g4, progress=False)
     awq = quant.quantize_model(scaled.model, g4, method="rtn", inplace=True, progress=False)
     alphas = [r.alpha for r in scaled.records]
-    add(f"AWQ-style + RTN {g4.label()}", awq.model, bits(awq), scaled.seconds + awq.seconds)
+    add(f"AWQ-style + RTN {g4.label()}", awq.model, awq.bits_per_weight(), scaled.seconds + awq.seconds)
     print(f"  α chosen: median {statistics.median(alphas):.2f}, range {min(alphas):.2f}–{max(alphas):.2f}")
     del scaled, awq
     act = quant.QuantConfig(bits=4, group_size=args.group_size, act_order=True)
     gptq = quant.quantize_model(model, act, calib, progress=False)
-    add(f"GPTQ {act.label()}", gptq.model, bits(gptq), gptq.seconds)
+    add(f"GPTQ {act.label()}", gptq.model, gptq.bits_per_weight(), gptq.seconds)
     del gptq
 
     parity = nf4_parity(model, args.repeats)
@@ -117,7 +114,7 @@ def main() -> None:
         {
             "group_size": args.group_size,
             "calibration_tokens": calib.numel(),
-            "documents": len(texts),
+            "documents": args.documents,
             "rows": rows,
             "awq_alphas": alphas,
             "nf4_parity": parity,

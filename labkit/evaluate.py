@@ -1,4 +1,4 @@
-"""Quality measurements shared by every lab: perplexity over a corpus, and text generation."""
+"""Quality measurements shared by every lab: perplexity over texts or a corpus split, and text generation."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from labkit.data import concat_with_separator, encode_texts
-from labkit.torchutil import check_token_ids, eval_mode, is_int, seeded, vocab_size
+from labkit.data import concat_with_separator, encode_texts, load_corpus
+from labkit.torchutil import check_bool, check_int, check_module, check_token_ids, eval_mode, is_int, seeded, vocab_size
 
 
 @dataclass
@@ -98,6 +98,31 @@ def perplexity(
             scored_total += scored
     mean = nll_sum / scored_total
     return Perplexity(perplexity=math.exp(mean), nll=mean, tokens=scored_total, windows=len(cuts))
+
+
+def split_perplexity(
+    model: nn.Module,
+    tokenizer,
+    split: str = "validation",
+    *,
+    documents: int,
+    corpus: str = "wiki",
+    max_length: int = 512,
+    progress: bool = True,
+) -> Perplexity:
+    """`perplexity` of `model` on the first `documents` texts of a corpus split, in non-overlapping windows.
+
+    How the labs and benchmarks score a model: `documents=profile.eval.documents` validation articles at
+    `max_length=profile.eval.max_length`. More documents than the split holds are refused, not cut short.
+    """
+    check_module(model)
+    check_int("documents", documents, minimum=1)
+    check_int("max_length", max_length, minimum=2)
+    check_bool("progress", progress)
+    texts = load_corpus(corpus, split)
+    if documents > len(texts):
+        raise ValueError(f"the {split!r} split of {corpus} holds {len(texts)} documents, fewer than {documents}")
+    return perplexity(model, tokenizer, texts[:documents], max_length=max_length, progress=progress)
 
 
 @torch.inference_mode()

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from labkit import bench, fileio, tasks, train
-from labkit.models import count_parameters
+from labkit.models import DecoderShape, count_parameters
+from labkit.quant.nf4 import NF4_BITS
 from labkit.torchutil import check_int, check_number, environ, is_int, is_number, quiet, replace_module
 
 ALL_LINEAR = "all-linear"
@@ -200,50 +201,18 @@ def truncated_updates(model: nn.Module, before: dict[str, torch.Tensor], ranks: 
 # ----------------------------------------------------------------------------- memory and a measured run
 
 
-@dataclass(frozen=True)
-class DecoderShape:
-    """A Llama-style decoder (multi-head attention, gated MLP, RMSNorm, untied embedding and LM head), not built."""
-
-    vocab: int
-    width: int
-    layers: int
-    mlp: int  # the MLP's hidden width
-
-    def __post_init__(self) -> None:
-        for name in ("vocab", "width", "layers", "mlp"):
-            check_int(name, getattr(self, name), minimum=1)
-
-    def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in, out) of each linear of one decoder layer, by the name LoRA targets it with."""
-        w, m = self.width, self.mlp
-        names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-        return dict(zip(names, [(w, w)] * 4 + [(w, m), (w, m), (m, w)]))
-
-    @property
-    def linear_params(self) -> int:
-        """The decoder layers' linear weights: what a 4-bit base packs."""
-        return self.layers * sum(i * o for i, o in self.linear_shapes().values())
-
-    @property
-    def n_params(self) -> int:
-        """Every parameter: the linears, embedding and LM head, and the RMSNorm weights (two per layer, one final)."""
-        return self.linear_params + 2 * self.vocab * self.width + (2 * self.layers + 1) * self.width
-
-    def lora_params(self, r: int, targets: str | Sequence[str] = ("q_proj", "v_proj")) -> int:
-        """Trainable numbers of rank-r adapters on `targets` ("all-linear" or linear_shapes names) in every layer."""
-        check_int("r", r, minimum=1)
-        shapes = self.linear_shapes()
-        names = list(shapes) if targets == ALL_LINEAR else targets
-        if isinstance(names, str) or not isinstance(names, Sequence):
-            raise TypeError(f"targets must be {ALL_LINEAR!r} or a sequence of names, got {targets!r}")
-        if not names or any(t not in shapes for t in names):
-            raise ValueError(f"targets must be {ALL_LINEAR!r} or a non-empty list of {list(shapes)}, got {targets!r}")
-        return self.layers * r * sum(sum(shapes[t]) for t in set(names))
-
-
-# Llama-2-7B (Touvron et al., 2023, "Llama 2": 6.74 B parameters): 6,738,415,616 with its RMSNorm weights
-LLAMA2_7B = DecoderShape(vocab=32000, width=4096, layers=32, mlp=11008)
-NF4_BITS = 4.127  # NF4 with double quantization, bits per weight (Dettmers et al., 2023): 4 + 8/64 + 32/(64·256)
+def adapter_params(shape: DecoderShape, r: int, targets: str | Sequence[str] = ("q_proj", "v_proj")) -> int:
+    """Trainable numbers of rank-r adapters on `targets` ("all-linear" or linear_shapes names) in every layer."""
+    if not isinstance(shape, DecoderShape):
+        raise TypeError(f"shape must be a models.DecoderShape, got {type(shape).__name__}")
+    check_int("r", r, minimum=1)
+    shapes = shape.linear_shapes()
+    names = list(shapes) if targets == ALL_LINEAR else targets
+    if isinstance(names, str) or not isinstance(names, Sequence):
+        raise TypeError(f"targets must be {ALL_LINEAR!r} or a sequence of names, got {targets!r}")
+    if not names or any(t not in shapes for t in names):
+        raise ValueError(f"targets must be {ALL_LINEAR!r} or a non-empty list of {list(shapes)}, got {targets!r}")
+    return shape.num_layers * r * sum(sum(shapes[t]) for t in set(names))
 
 
 def finetune_state_bytes(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -12,7 +13,7 @@ import torch
 from torch import nn
 
 from labkit import assets, fileio
-from labkit.torchutil import device_of, is_int, seeded
+from labkit.torchutil import check_bool, check_int, device_of, is_int, seeded
 
 # transformers is imported inside the functions that build a model or tokenizer: its model classes take
 # several seconds to import, which commands and ranks that never build one should not pay.
@@ -191,12 +192,12 @@ def lab_llama(vocab_size: int, profile, seed: int = 0) -> nn.Module:
     """The small Llama that labs 02-03 train from scratch: SmolLM2's shape, sized by the run profile."""
     return tiny_llama(
         vocab_size=vocab_size,
-        hidden_size=profile.lm_hidden,
-        num_layers=profile.lm_layers,
+        hidden_size=profile.train.hidden,
+        num_layers=profile.train.layers,
         num_heads=4,
         num_kv_heads=2,
-        intermediate_size=3 * profile.lm_hidden,
-        max_position_embeddings=profile.block_size,
+        intermediate_size=3 * profile.train.hidden,
+        max_position_embeddings=profile.train.block_size,
         seed=seed,
     )
 
@@ -220,6 +221,68 @@ def llama_shape(vocab_size: int, hidden_size: int, num_layers: int, seq_len: int
         "intermediate_size": hidden_size * 8 // 3 // 2 * 2,
         "max_position_embeddings": seq_len + 1,
     }
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """A Llama decoder's sizes, not built (`tiny_llama(**dataclasses.asdict(shape))` builds it): no biases."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int  # the gated MLP's hidden width
+    tie_word_embeddings: bool
+
+    def __post_init__(self) -> None:
+        _check_shape(self.vocab_size, self.hidden_size, self.num_layers, self.num_heads, self.num_kv_heads)
+        check_int("intermediate_size", self.intermediate_size, minimum=1)
+        check_bool("tie_word_embeddings", self.tie_word_embeddings)
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each linear of one decoder layer, by its name in transformers' Llama."""
+        h, m = self.hidden_size, self.intermediate_size
+        kv = h // self.num_heads * self.num_kv_heads  # keys and values: num_kv_heads heads as wide as the queries'
+        names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+        return dict(zip(names, [(h, h), (h, kv), (h, kv), (h, h), (h, m), (h, m), (m, h)]))
+
+    @property
+    def linear_params(self) -> int:
+        """The decoder layers' linear weights: what a 4-bit base packs."""
+        return self.num_layers * sum(i * o for i, o in self.linear_shapes().values())
+
+    @property
+    def n_params(self) -> int:
+        """Every parameter: linears, embedding (and an untied LM head), RMSNorm weights (two per layer, one final)."""
+        embeddings = (1 if self.tie_word_embeddings else 2) * self.vocab_size * self.hidden_size
+        return self.linear_params + embeddings + (2 * self.num_layers + 1) * self.hidden_size
+
+
+# Published models the labs reason about without loading them, by the name the labs print; each `n_params` is the
+# count its checkpoint holds (tests/test_models.py checks them against the published figures).
+PUBLISHED_SHAPES = {
+    # HuggingFaceTB/SmolLM2-135M's config.json (Allal et al., 2025): 134,515,008 parameters, the LM head tied
+    "SmolLM2-135M": DecoderShape(
+        vocab_size=49152,
+        hidden_size=576,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        intermediate_size=1536,
+        tie_word_embeddings=True,
+    ),
+    # Llama-2-7B (Touvron et al., 2023, "Llama 2": 6.74 B): 6,738,415,616 parameters, the LM head untied
+    "Llama-2-7B": DecoderShape(
+        vocab_size=32000,
+        hidden_size=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=32,
+        intermediate_size=11008,
+        tie_word_embeddings=False,
+    ),
+}
 
 
 def tiny_gpt2(

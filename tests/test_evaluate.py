@@ -98,6 +98,74 @@ def test_perplexity_rejects_empty_input():
         evaluate.perplexity(Uniform(257), ByteTokenizer(), ["a"], max_length=1, progress=False)
 
 
+class Refuses(nn.Module):
+    """A model and tokenizer in one that fail if they are ever used: the arguments must be refused first."""
+
+    eos_token_id = 256
+
+    def __init__(self):
+        super().__init__()
+        self.dummy = nn.Parameter(torch.zeros(1))
+
+    def __call__(self, *args, **kwargs):
+        raise AssertionError("used before the arguments were checked")
+
+
+def test_split_perplexity_scores_the_first_documents_of_a_split_by_hand(tmp_path):
+    corpus = tmp_path / "three.txt"
+    corpus.write_text("alpha beta\n\ngamma\n\ndelta epsilon zeta\n", encoding="utf-8")
+    result = evaluate.split_perplexity(
+        Uniform(257), ByteTokenizer(), "all", corpus=str(corpus), documents=2, max_length=64, progress=False
+    )
+    # "alpha beta" + EOS + "gamma" + EOS: 17 byte tokens in one window, all but the first scored
+    assert (result.tokens, result.windows) == (16, 1)
+    assert result.perplexity == pytest.approx(257)
+    model = tiny_llama(vocab_size=257)
+    got = evaluate.split_perplexity(
+        model, ByteTokenizer(), "all", documents=3, corpus=str(corpus), max_length=8, progress=False
+    )
+    stream = torch.tensor([*b"alpha beta", 256, *b"gamma", 256, *b"delta epsilon zeta", 256])
+    total = 0.0
+    for chunk in stream.split(8):  # side by side windows of 8, each scoring all but its first token
+        with torch.no_grad():
+            total += model(input_ids=chunk[None], labels=chunk[None]).loss.item() * (len(chunk) - 1)
+    assert (got.tokens, got.windows) == (len(stream) - 5, 5)
+    assert got.perplexity == pytest.approx(math.exp(total / (len(stream) - 5)), rel=1e-5)
+
+
+def test_split_perplexity_is_perplexity_on_the_splits_first_texts():
+    from labkit.data import load_corpus
+
+    model, tok = tiny_llama(vocab_size=257), ByteTokenizer()
+    texts = load_corpus("wiki", "validation")[:2]
+    expected = evaluate.perplexity(model, tok, texts, max_length=64, progress=False)
+    got = evaluate.split_perplexity(model, tok, documents=2, max_length=64, progress=False)
+    assert got == expected
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"documents": 0}, ValueError, "documents must be an int >= 1"),
+        ({"documents": 2.0}, TypeError, "documents must be an int"),
+        ({"documents": 2, "max_length": 2.0}, TypeError, "max_length must be an int"),
+        ({"documents": 2, "max_length": 1}, ValueError, "max_length must be an int >= 2"),
+        ({"documents": 2, "progress": 0}, TypeError, "progress must be True or False"),
+        ({"documents": 2, "split": "dev"}, ValueError, "unknown split 'dev'"),
+        ({"documents": 10**6}, ValueError, "'validation' split of wiki holds \\d+ documents, fewer than 1000000"),
+    ],
+)
+def test_split_perplexity_refuses_bad_arguments_before_any_work(kwargs, error, match):
+    refuses = Refuses()
+    with pytest.raises(error, match=match):
+        evaluate.split_perplexity(refuses, refuses, **kwargs)
+
+
+def test_split_perplexity_refuses_what_is_not_a_model():
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got ByteTokenizer"):
+        evaluate.split_perplexity(ByteTokenizer(), ByteTokenizer(), documents=2)
+
+
 @pytest.mark.model
 def test_default_model_perplexity_on_wiki_validation_is_in_range(default_model):
     from labkit.data import load_corpus

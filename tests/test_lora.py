@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from labkit import lora, tasks, train
-from labkit.models import count_parameters, tiny_llama
+from labkit.models import PUBLISHED_SHAPES, DecoderShape, count_parameters, tiny_llama
 from labkit.quant.formats import QuantConfig
 from labkit.quant.packed import pack_model
 from labkit.quant.whole_model import quantize_model
@@ -262,36 +262,38 @@ def test_training_state_counts_gradients_and_two_adam_moments_for_trainable_weig
     assert adapted["total"] == adapted["weights"] + 3 * adapted["gradients"]
 
 
-def test_llama_2_7b_has_the_published_parameter_count():
-    llama = lora.LLAMA2_7B  # Touvron et al. (2023) report 6.74 B; exact with untied LM head and RMSNorm weights:
-    assert llama.n_params == 6_738_415_616
-    assert llama.n_params - llama.linear_params == 2 * 32_000 * 4096 + 65 * 4096  # embedding, LM head, 65 norms
-    assert llama.lora_params(8) == 4_194_304  # 32 layers × r 8 × (q: 4096 + 4096, v: 4096 + 4096)
-    assert llama.lora_params(64, lora.ALL_LINEAR) == 159_907_840  # 32 × 64 × (4 × 8192 + 3 × 15104)
+def test_adapter_params_of_llama_2_7b_by_hand():
+    llama = PUBLISHED_SHAPES["Llama-2-7B"]
+    assert lora.adapter_params(llama, 8) == 4_194_304  # 32 layers × r 8 × (q: 4096 + 4096, v: 4096 + 4096)
+    assert lora.adapter_params(llama, 64, lora.ALL_LINEAR) == 159_907_840  # 32 × 64 × (4 × 8192 + 3 × 15104)
 
 
-def test_decoder_shape_counts_what_transformers_builds_and_what_add_lora_trains():
-    shape = lora.DecoderShape(vocab=100, width=16, layers=2, mlp=40)
-    model = tiny_llama(100, 16, 2, num_heads=4, num_kv_heads=4, intermediate_size=40, tie_word_embeddings=False)
+@pytest.mark.parametrize("tied", [True, False])
+def test_adapter_params_count_what_add_lora_trains(tied):
+    # grouped-query attention: k and v project 16 inputs to 2 heads × 4 = 8 outputs
+    shape = DecoderShape(100, 16, 2, num_heads=4, num_kv_heads=2, intermediate_size=40, tie_word_embeddings=tied)
+    model = tiny_llama(**dataclasses.asdict(shape))
     linears = [model.get_submodule(n).weight.numel() for n in lora.linear_names(model)]
-    assert shape.linear_params == sum(linears) == 2 * (4 * 16 * 16 + 3 * 16 * 40) == 5888
-    assert shape.n_params == count_parameters(model) == 5888 + 2 * 100 * 16 + 5 * 16 == 9168
-    for targets, r, hand in ((("q_proj", "v_proj"), 4, 2 * 4 * (32 + 32)), (lora.ALL_LINEAR, 2, 2 * 2 * (128 + 168))):
+    assert shape.linear_params == sum(linears) == 2 * (2 * 16 * 16 + 2 * 16 * 8 + 3 * 16 * 40) == 5376
+    for targets, r, hand in ((("q_proj", "v_proj"), 4, 2 * 4 * (32 + 24)), (lora.ALL_LINEAR, 2, 2 * 2 * 280)):
         adapted = copy.deepcopy(model)
-        lora.add_lora(adapted, targets, r=r)
-        assert shape.lora_params(r, targets) == count_parameters(adapted, trainable_only=True) == hand
+        lora.add_lora(adapted, targets, r=r)  # 280 = q 32 + k 24 + v 24 + o 32 + gate 56 + up 56 + down 56
+        assert lora.adapter_params(shape, r, targets) == count_parameters(adapted, trainable_only=True) == hand
 
 
 def test_finetune_state_bytes_keeps_the_unquantized_part_of_a_qlora_base_in_16_bits():
     got = lora.finetune_state_bytes(1000, 10, 2, unquantized_params=200, packed_bits=4)
     assert got == {"full fine-tune": 16_000, "LoRA": 2 * 1000 + 160, "QLoRA (4-bit base)": 800 / 2 + 200 * 2 + 160}
-    assert lora.finetune_state_bytes(8000, 0, 4)["QLoRA (4-bit base)"] == pytest.approx(4127)  # 4.127 bits each
-    llama = lora.LLAMA2_7B
+    # NF4 by default: 16,384 weights are 8,192 bytes of 4-bit codes, 256 one-byte scales and one fp32 scale of those
+    assert lora.finetune_state_bytes(16_384, 0, 4)["QLoRA (4-bit base)"] == 8192 + 256 + 4
+    llama = PUBLISHED_SHAPES["Llama-2-7B"]
     kept = llama.n_params - llama.linear_params
-    qlora = lora.finetune_state_bytes(llama.n_params, llama.lora_params(8), 2, unquantized_params=kept)
-    # 6,476,005,376 linears × 4.127 / 8 + 262,410,240 kept × 2 + 4,194,304 adapters × 16
-    assert qlora["QLoRA (4-bit base)"] == pytest.approx(3_340_809_273.344 + 524_820_480 + 67_108_864, rel=1e-12)
-    all_packed = lora.finetune_state_bytes(llama.n_params, llama.lora_params(8), 2)["QLoRA (4-bit base)"]
+    qlora = lora.finetune_state_bytes(llama.n_params, lora.adapter_params(llama, 8), 2, unquantized_params=kept)
+    # 6,476,005,376 linears: / 2 bytes of codes + / 64 scale bytes + / 16,384 × 4 bytes; 262,410,240 kept × 2 bytes;
+    # 4,194,304 adapters × 16 bytes
+    packed = 3_238_002_688 + 101_187_584 + 1_581_056
+    assert qlora["QLoRA (4-bit base)"] == pytest.approx(packed + 524_820_480 + 67_108_864, rel=1e-12)
+    all_packed = lora.finetune_state_bytes(llama.n_params, lora.adapter_params(llama, 8), 2)["QLoRA (4-bit base)"]
     assert (qlora["QLoRA (4-bit base)"] - all_packed) / 2**30 == pytest.approx(0.3627, abs=1e-4)
     assert qlora["full fine-tune"] == 16 * 6_738_415_616 and qlora["LoRA"] == 2 * 6_738_415_616 + 16 * 4_194_304
 
@@ -316,19 +318,16 @@ def test_finetune_state_bytes_refuses_impossible_inputs(args, kwargs, error):
         lora.finetune_state_bytes(*args, **kwargs)
 
 
-def test_decoder_shape_refuses_impossible_shapes_and_targets():
-    with pytest.raises(ValueError, match="vocab"):
-        lora.DecoderShape(vocab=0, width=8, layers=1, mlp=8)
-    with pytest.raises(TypeError, match="width"):
-        lora.DecoderShape(vocab=8, width=8.0, layers=1, mlp=8)
+def test_adapter_params_refuse_impossible_shapes_and_targets():
+    llama = PUBLISHED_SHAPES["Llama-2-7B"]
+    with pytest.raises(TypeError, match="shape must be a models.DecoderShape, got dict"):
+        lora.adapter_params(dataclasses.asdict(llama), 8)
     with pytest.raises(ValueError, match="r must"):
-        lora.LLAMA2_7B.lora_params(0)
+        lora.adapter_params(llama, 0)
     with pytest.raises(ValueError, match="qkv"):
-        lora.LLAMA2_7B.lora_params(8, ("qkv",))
+        lora.adapter_params(llama, 8, ("qkv",))
     with pytest.raises(TypeError, match="sequence"):
-        lora.LLAMA2_7B.lora_params(8, "q_proj")
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        lora.LLAMA2_7B.layers = 40
+        lora.adapter_params(llama, 8, "q_proj")
 
 
 def test_finetune_and_score_refuses_a_model_with_nothing_to_train():

@@ -1,4 +1,6 @@
-"""Models: name resolution, errors, tiny models, and the offline default model answering correctly."""
+"""Models: name resolution, errors, tiny models, published shapes, and the offline default model answering correctly."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -105,10 +107,10 @@ def test_lab_llama_is_sized_by_the_profile():
     model = models.lab_llama(1000, PROFILES["smoke"], seed=0)
     cfg = model.config
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size, cfg.max_position_embeddings) == (
-        PROFILES["smoke"].lm_hidden,
-        PROFILES["smoke"].lm_layers,
-        3 * PROFILES["smoke"].lm_hidden,
-        PROFILES["smoke"].block_size,
+        PROFILES["smoke"].train.hidden,
+        PROFILES["smoke"].train.layers,
+        3 * PROFILES["smoke"].train.hidden,
+        PROFILES["smoke"].train.block_size,
     )
     assert cfg.num_key_value_heads == 2 and cfg.vocab_size == 1000
 
@@ -133,6 +135,54 @@ def test_llama_shape_builds_the_parameters_counted_by_hand():
 def test_llama_shape_rejects_shapes_it_cannot_split_into_heads(args, match):
     with pytest.raises(ValueError, match=match):
         models.llama_shape(*args)
+
+
+@pytest.mark.parametrize(
+    "name, published, embeddings",
+    [
+        ("SmolLM2-135M", 134_515_008, 49152 * 576),  # the model card's 135M; the embedding doubles as the LM head
+        ("Llama-2-7B", 6_738_415_616, 2 * 32000 * 4096),  # Touvron et al. (2023): 6.74 B; embedding and LM head
+    ],
+)
+def test_published_shapes_have_the_published_parameter_counts(name, published, embeddings):
+    shape = models.PUBLISHED_SHAPES[name]
+    assert shape.n_params == published
+    assert shape.n_params - shape.linear_params == embeddings + (2 * shape.num_layers + 1) * shape.hidden_size
+    with torch.device("meta"):  # built without memory, as lab 09 counts them; parameters() holds a tied head once
+        assert sum(p.numel() for p in models.tiny_llama(**dataclasses.asdict(shape)).parameters()) == published
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_decoder_shape_counts_what_transformers_builds(tied):
+    shape = models.DecoderShape(100, 16, 2, num_heads=4, num_kv_heads=2, intermediate_size=40, tie_word_embeddings=tied)
+    model = models.tiny_llama(**dataclasses.asdict(shape))
+    linears = {n: m.weight.shape for n, m in model.model.layers[0].named_modules() if isinstance(m, torch.nn.Linear)}
+    assert {n.split(".")[-1]: (s[1], s[0]) for n, s in linears.items()} == shape.linear_shapes()
+    # per layer: q, o 16 × 16; k, v 16 × 8 (2 KV heads of 4); gate, up, down 16 × 40; two norms of 16
+    per_layer = 2 * 256 + 2 * 128 + 3 * 640
+    assert shape.linear_params == 2 * per_layer
+    assert shape.n_params == models.count_parameters(model) == 2 * (per_layer + 32) + 16 + (1 + (not tied)) * 1600
+
+
+def test_decoder_shape_refuses_impossible_shapes():
+    with pytest.raises(ValueError, match="num_heads \\(4\\) must be a multiple of num_kv_heads \\(3\\)"):
+        models.DecoderShape(100, 16, 2, num_heads=4, num_kv_heads=3, intermediate_size=40, tie_word_embeddings=True)
+    with pytest.raises(TypeError, match="intermediate_size must be an int"):
+        models.DecoderShape(100, 16, 2, num_heads=4, num_kv_heads=2, intermediate_size=40.0, tie_word_embeddings=True)
+    with pytest.raises(TypeError, match="tie_word_embeddings must be True or False"):
+        models.DecoderShape(100, 16, 2, num_heads=4, num_kv_heads=2, intermediate_size=40, tie_word_embeddings=1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        models.PUBLISHED_SHAPES["Llama-2-7B"].num_layers = 40
+
+
+@pytest.mark.model
+def test_smollm2_shape_is_the_offline_checkpoints(default_model):
+    model, _ = default_model
+    cfg = model.config
+    built = (cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads)
+    shape = models.PUBLISHED_SHAPES["SmolLM2-135M"]
+    assert built + (cfg.intermediate_size, cfg.tie_word_embeddings) == tuple(dataclasses.asdict(shape).values())
+    assert models.count_parameters(model) == shape.n_params
 
 
 def _word_tokenizer():

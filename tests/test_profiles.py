@@ -39,16 +39,38 @@ def test_unknown_profile_lists_choices(monkeypatch):
 
 def test_sizes_grow_from_smoke_to_gpu():
     smoke, cpu, gpu = (profiles.PROFILES[n] for n in ("smoke", "cpu", "gpu"))
-    for f in dataclasses.fields(profiles.Profile):
-        if f.type == "int":
-            assert getattr(smoke, f.name) <= getattr(cpu, f.name) <= getattr(gpu, f.name), f.name
-    assert max(smoke.matmul_sizes) < max(cpu.matmul_sizes) < max(gpu.matmul_sizes)
+    for part in dataclasses.fields(profiles.Profile)[2:]:
+        sections = [getattr(p, part.name) for p in (smoke, cpu, gpu)]
+        for f in dataclasses.fields(sections[0]):
+            if f.type == "int":
+                small, mid, large = (getattr(section, f.name) for section in sections)
+                assert small <= mid <= large, f"{part.name}.{f.name}"
+    assert max(smoke.timing.matmul_sizes) < max(cpu.timing.matmul_sizes) < max(gpu.timing.matmul_sizes)
 
 
-def test_describe_lists_every_size():
-    text = profiles.describe(profiles.PROFILES["cpu"])
-    for f in dataclasses.fields(profiles.Profile)[2:]:
-        assert f.name in text
+def test_describe_lists_every_section_then_its_sizes():
+    profile = profiles.PROFILES["cpu"]
+    head, *rest = profiles.describe(profile).split("\n")
+    assert head == "profile 'cpu': a laptop or a 2-core VM: minutes per lab, the real model"
+    listed, section = {}, None
+    for line in rest:
+        if line.startswith("    "):
+            key, value = line.strip().split(" = ")
+            listed[section][key] = value
+        else:
+            section = line.strip().removesuffix(":")
+            listed[section] = {}
+    assert listed["lora"] == {
+        "steps": "30",
+        "batch_size": "4",
+        "max_length": "256",
+        "eval_examples": "40",
+        "ranks": "(4, 8, 16)",
+    }
+    assert list(listed) == [f.name for f in dataclasses.fields(profiles.Profile)[2:]]
+    for name, sizes in listed.items():
+        section = getattr(profile, name)
+        assert sizes == {f.name: str(getattr(section, f.name)) for f in dataclasses.fields(section)}, name
 
 
 @pytest.mark.parametrize("name", list(profiles.PROFILES))
@@ -57,7 +79,7 @@ def test_gptq_calibration_gives_the_default_model_a_well_conditioned_hessian(nam
     from labkit.calibration import TOKENS_PER_INPUT
 
     p = profiles.PROFILES[name]
-    assert p.calibration_blocks * p.calibration_block_size >= TOKENS_PER_INPUT * 1536
+    assert p.quant.calibration_blocks * p.quant.calibration_block_size >= TOKENS_PER_INPUT * 1536
 
 
 # ----------------------------------------------------------------------------- sizes against the data
@@ -72,64 +94,66 @@ LABS = Path(__file__).resolve().parents[1] / "labs"
 DEFAULT_SHARD_TOKENS = 2**20  # shards.tokenize_to_shards' default: the splits used here fit in one shard
 
 LAB_LINES = {
-    "00_gpu_setup": ["texts = validation[: profile.eval_documents]"],
+    "00_gpu_setup": ["texts = validation[: profile.eval.documents]"],
     "01_data_and_tokenization": [
-        "bpe_docs = kept[: profile.bpe_train_documents]",
+        "bpe_docs = kept[: profile.bpe.documents]",
         'shard_paths = shards.write_shards(stream, out / "shards", shard_tokens=len(stream) // 4 + 1,',
-        "loader = shards.make_loader(shard_paths, profile.block_size, profile.batch_size, seed=0,",
-        "runs = [shards.loader_throughput(loader, profile.loader_batches, device) for _ in range(3)]",
+        "loader = shards.make_loader(shard_paths, profile.train.block_size, profile.train.batch_size, seed=0,",
+        "runs = [shards.loader_throughput(loader, profile.loader.batches, device) for _ in range(3)]",
     ],
     "02_mixed_precision": [
         'paths = shards.tokenize_to_shards(load_corpus("wiki", "train"), tokenizer, data_dir)',
-        "cfg = TrainConfig(steps=profile.train_steps,",
-        "loader = shards.make_loader(paths, profile.block_size, profile.batch_size, seed=0, device=device)",
+        "cfg = TrainConfig(steps=profile.train.steps,",
+        "loader = shards.make_loader(paths, profile.train.block_size, profile.train.batch_size, seed=0, device=device)",
     ],
     "03_gradient_accumulation": [
-        "lengths = [profile.block_size >> k for k in (0, 3, 1, 4, 2, 0, 3, 1)]",
+        "lengths = [profile.train.block_size >> k for k in (0, 3, 1, 4, 2, 0, 3, 1)]",
         'load_corpus("wiki", "train")[:8]), lengths)]',
-        "block = min(profile.block_size // 4, len(stream) // 8)",
-        "micro_size = max(1, profile.batch_size // 4)",
+        "block = min(profile.train.block_size // 4, len(stream) // 8)",
+        "micro_size = max(1, profile.train.batch_size // 4)",
         'paths = shards.tokenize_to_shards(load_corpus("wiki", "train")[:400], tokenizer,',
         "history = fit(model, loader, TrainConfig(steps=3, accum_steps=k, progress=False))",
-        "cfg = TrainConfig(steps=profile.train_steps, lr=2e-3,",
+        "cfg = TrainConfig(steps=profile.train.steps, lr=2e-3,",
         "grad_clip=1.0, accum_steps=4,",
     ],
     "04_data_parallelism": [
         'shards.tokenize_to_shards(load_corpus("wiki", "train")[:2000], tokenizer, data_dir,',
         "data_dir, shard_tokens=2**17)",
-        "steps = max(4, profile.train_steps // 2)",
-        "micro = max(1, profile.batch_size // 4)",
+        "steps = max(4, profile.train.steps // 2)",
+        "micro = max(1, profile.train.batch_size // 4)",
         "for nproc in (1, 2):",
     ],
     "06_magnitude_pruning": [
-        "eval_texts = validation[: profile.eval_documents]",
-        "probe_texts = validation[: profile.sensitivity_documents]",
+        "def ppl(m, documents=profile.eval.documents):",
+        "evaluate.split_perplexity(m, tokenizer, documents=documents, max_length=profile.eval.max_length",
+        "probe = lambda m: ppl(m, profile.prune.sensitivity_documents)",
         "stream = torch.tensor(evaluate.token_stream(tokenizer, train_texts[:64]))",
-        "calibration = list(stream[: 8 * profile.finetune_block_size].view(8, -1).split(2))",
+        "calibration = list(stream[: 8 * profile.finetune.block_size].view(8, -1).split(2))",
         'paths = shards.tokenize_to_shards(train_texts, tokenizer, OUT / "shards")',
-        "shards.make_loader(paths, profile.finetune_block_size, profile.finetune_batch_size, seed=seed,",
-        "per_round = replace(finetune, steps=max(1, profile.finetune_steps // len(rounds_at)))",
+        "shards.make_loader(paths, profile.finetune.block_size, profile.finetune.batch_size, seed=seed,",
+        "per_round = replace(finetune, steps=max(1, profile.finetune.steps // len(rounds_at)))",
         'calibration = quant.calibration_blocks(tokenizer, load_corpus("wiki", "train"),',
-        "profile.prune_calibration_blocks, profile.calibration_block_size",
-        "for n in profile.prune_calibration_sizes:",
+        "profile.prune.calibration_blocks, profile.quant.calibration_block_size",
+        "for n in profile.prune.calibration_sizes:",
         "wanda_half(calibration[:n])",
     ],
     "07_gptq_quantization": [
-        'eval_texts = load_corpus("wiki", "validation")[: profile.eval_documents]',
+        "evaluate.split_perplexity(m, tokenizer, documents=profile.eval.documents, max_length=profile.eval.max_length",
         'calibration = quant.calibration_blocks(tokenizer, load_corpus("wiki", "train"),',
         'held_out = quant.calibration_blocks(tokenizer, load_corpus("wiki", "validation"),',
         "x = calibration[:1, :256].to(device)",
     ],
     "08_lora_finetuning": [
-        'train_examples = tasks.title_examples("train")[: profile.lora_steps * profile.lora_batch_size]',
-        'held_out = tasks.title_examples("validation", limit=profile.lora_eval_examples)',
+        'train_examples = tasks.title_examples("train")[: profile.lora.steps * profile.lora.batch_size]',
+        'held_out = tasks.title_examples("validation", limit=profile.lora.eval_examples)',
+        "evaluate.split_perplexity(m, tokenizer, documents=profile.eval.documents, max_length=profile.eval.max_length",
         'calibration = quant.calibration_blocks(tokenizer, load_corpus("wiki", "train"),',
     ],
     "09_memory_at_scale": [
         'shards.tokenize_to_shards(load_corpus("wiki", "train"), tokenizer, data_dir, shard_tokens=2**18)',
         "ranks = gpus if gpus >= 2 else 2",
-        "batch_size, seq = profile.scale_batch, profile.scale_seq",
-        'f"--steps={profile.scale_steps}"',
+        "batch_size, seq = profile.scale.batch, profile.scale.seq",
+        'f"--steps={profile.scale.steps}"',
     ],
 }
 
@@ -209,42 +233,42 @@ def draws(p: profiles.Profile, corpus: dict, own_bpe_tokens) -> list[Draw]:
     """What every lab asks of the data under profile p, beside what the data holds."""
     train, val = corpus["train"], corpus["validation"]
     rows = [
-        Draw("00 06 07", "validation articles scored (eval_documents)", p.eval_documents, len(val)),
+        Draw("00 06 07 08", "validation articles scored (eval.documents)", p.eval.documents, len(val)),
         Draw(
-            "00 06 07",
-            "a full perplexity window (eval_max_length) in their tokens",
-            p.eval_max_length,
-            stream_tokens(val[: p.eval_documents]),
+            "00 06 07 08",
+            "a full perplexity window (eval.max_length) in their tokens",
+            p.eval.max_length,
+            stream_tokens(val[: p.eval.documents]),
         ),
-        Draw("06", "validation articles per sensitivity probe", p.sensitivity_documents, len(val)),
+        Draw("06", "validation articles per sensitivity probe", p.prune.sensitivity_documents, len(val)),
     ]
     # Lab 01: BPE on the cleaned train articles, their stream in 4 shards, one warm-up batch, then the timing.
-    bpe_tokens = own_bpe_tokens(p.bpe_train_documents, p.bpe_vocab_sizes[-1])
-    blocks = loader_blocks(bpe_tokens, p.block_size, bpe_tokens // 4 + 1)
+    bpe_tokens = own_bpe_tokens(p.bpe.documents, p.bpe.vocab_sizes[-1])
+    blocks = loader_blocks(bpe_tokens, p.train.block_size, bpe_tokens // 4 + 1)
     rows += [
-        Draw("01", "cleaned train articles for the own BPE", p.bpe_train_documents, len(corpus["kept"])),
+        Draw("01", "cleaned train articles for the own BPE", p.bpe.documents, len(corpus["kept"])),
         Draw(
             "01",
-            "batches timed (loader_batches) vs one epoch less the warm-up",
-            p.loader_batches,
-            math.ceil(blocks / p.batch_size) - 1,
+            "batches timed (loader.batches) vs one epoch less the warm-up",
+            p.loader.batches,
+            math.ceil(blocks / p.train.batch_size) - 1,
         ),
     ]
-    # Lab 02: train_steps batches from the whole train split, each block at most once.
+    # Lab 02: train.steps batches from the whole train split, each block at most once.
     rows.append(
         Draw(
             "02",
-            "blocks per run (train_steps x batch_size), one epoch at most",
-            p.train_steps * p.batch_size,
-            loader_blocks(stream_tokens(train), p.block_size),
+            "blocks per run (train.steps x train.batch_size), one epoch at most",
+            p.train.steps * p.train.batch_size,
+            loader_blocks(stream_tokens(train), p.train.block_size),
         )
     )
-    # Lab 03: 8 documents cut to block_size >> k tokens; packed into 8 blocks for 4 micro-batches of 2.
-    cut = [min(n, p.block_size >> k) for n, k in zip(train[:8], (0, 3, 1, 4, 2, 0, 3, 1))]
+    # Lab 03: 8 documents cut to train.block_size >> k tokens; packed into 8 blocks for 4 micro-batches of 2.
+    cut = [min(n, p.train.block_size >> k) for n, k in zip(train[:8], (0, 3, 1, 4, 2, 0, 3, 1))]
     packed = stream_tokens(cut)
-    block = min(p.block_size // 4, packed // 8)
-    micro = max(1, p.batch_size // 4)
-    lab03_blocks = loader_blocks(stream_tokens(train[:400]), p.block_size)
+    block = min(p.train.block_size // 4, packed // 8)
+    micro = max(1, p.train.batch_size // 4)
+    lab03_blocks = loader_blocks(stream_tokens(train[:400]), p.train.block_size)
     rows += [
         Draw("03", "tokens in the shortest cut document (pad_batch refuses empty ones)", 1, min(cut)),
         Draw("03", "tokens per packed block (an input and a target)", 2, block),
@@ -254,40 +278,40 @@ def draws(p: profiles.Profile, corpus: dict, own_bpe_tokens) -> list[Draw]:
         Draw("03", "blocks of 400 articles for one micro-batch (fit cycles)", micro, lab03_blocks),
     ]
     # Lab 04: 2000 articles in shards of 2**17 tokens, dealt to 2 ranks; each rank's blocks at most once.
-    steps = max(4, p.train_steps // 2)
+    steps = max(4, p.train.steps // 2)
     rows.append(
         Draw(
             "04",
             "blocks per rank of 2 (steps x micro-batch), one epoch at most",
             steps * micro,
-            loader_blocks(stream_tokens(train[:2000]), p.block_size, 2**17) // 2,
+            loader_blocks(stream_tokens(train[:2000]), p.train.block_size, 2**17) // 2,
         )
     )
     # Lab 06: Taylor calibration from 64 articles; recovery fine-tunes on the train split, no block twice.
     rows += [
         Draw(
             "06",
-            "calibration tokens (8 x finetune_block_size) in 64 train articles",
-            8 * p.finetune_block_size,
+            "calibration tokens (8 x finetune.block_size) in 64 train articles",
+            8 * p.finetune.block_size,
             stream_tokens(train[:64]),
         ),
         Draw(
             "06",
-            "blocks per fine-tune (finetune_steps x finetune_batch_size), one epoch at most",
-            p.finetune_steps * p.finetune_batch_size,
-            loader_blocks(stream_tokens(train), p.finetune_block_size),
+            "blocks per fine-tune (finetune.steps x finetune.batch_size), one epoch at most",
+            p.finetune.steps * p.finetune.batch_size,
+            loader_blocks(stream_tokens(train), p.finetune.block_size),
         ),
         Draw(
             "06",
             "Wanda / SparseGPT calibration windows from the train split",
-            p.prune_calibration_blocks,
-            stream_tokens(train) // p.calibration_block_size,
+            p.prune.calibration_blocks,
+            stream_tokens(train) // p.quant.calibration_block_size,
         ),
         Draw(
             "06",
             "calibration sizes tried, as slices of those windows",
-            max(p.prune_calibration_sizes),
-            p.prune_calibration_blocks,
+            max(p.prune.calibration_sizes),
+            p.prune.calibration_blocks,
         ),
     ]
     # Labs 07-08: GPTQ windows from train; lab 07 compares with as many held-out windows from validation.
@@ -295,44 +319,44 @@ def draws(p: profiles.Profile, corpus: dict, own_bpe_tokens) -> list[Draw]:
         Draw(
             "07 08",
             "calibration windows from the train split",
-            p.calibration_blocks,
-            stream_tokens(train) // p.calibration_block_size,
+            p.quant.calibration_blocks,
+            stream_tokens(train) // p.quant.calibration_block_size,
         ),
         Draw(
             "07",
             "held-out windows from the validation split",
-            p.calibration_blocks,
-            stream_tokens(val) // p.calibration_block_size,
+            p.quant.calibration_blocks,
+            stream_tokens(val) // p.quant.calibration_block_size,
         ),
-        Draw("07", "tokens per window, for lab 07's 256-token forward", 256, p.calibration_block_size),
+        Draw("07", "tokens per window, for lab 07's 256-token forward", 256, p.quant.calibration_block_size),
     ]
     # Lab 08: each train example seen once; a prompt keeps 8 tokens or more before the longest answer + EOS.
-    answers = corpus["train titles"][: p.lora_steps * p.lora_batch_size]
-    answers += corpus["validation titles"][: p.lora_eval_examples]
+    answers = corpus["train titles"][: p.lora.steps * p.lora.batch_size]
+    answers += corpus["validation titles"][: p.lora.eval_examples]
     rows += [
         Draw(
             "08",
-            "train articles (lora_steps x lora_batch_size), each once",
-            p.lora_steps * p.lora_batch_size,
+            "train articles (lora.steps x lora.batch_size), each once",
+            p.lora.steps * p.lora.batch_size,
             len(train),
         ),
-        Draw("08", "held-out validation articles (lora_eval_examples)", p.lora_eval_examples, len(val)),
+        Draw("08", "held-out validation articles (lora.eval_examples)", p.lora.eval_examples, len(val)),
         Draw(
             "08",
-            "longest answer + EOS + 8 prompt tokens, within lora_max_length",
+            "longest answer + EOS + 8 prompt tokens, within lora.max_length",
             max(answers) + 1 + 8,
-            p.lora_max_length,
+            p.lora.max_length,
         ),
     ]
-    # Lab 09: the compression curves; every rank (one per GPU: 8 on the largest node) reads scale_steps batches of
+    # Lab 09: the compression curves; every rank (one per GPU: 8 on the largest node) reads scale.steps batches of
     # its own blocks from the whole train split, one epoch at most.
     ranks = 8 if p.name == "gpu" else 2
     rows.append(
         Draw(
             "09",
-            "blocks for the compression curves (scale_steps x scale_batch x ranks), one epoch at most",
-            p.scale_steps * p.scale_batch * ranks,
-            loader_blocks(stream_tokens(train), p.scale_seq, 2**18),
+            "blocks for the compression curves (scale.steps x scale.batch x ranks), one epoch at most",
+            p.scale.steps * p.scale.batch * ranks,
+            loader_blocks(stream_tokens(train), p.scale.seq, 2**18),
         )
     )
     return rows

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from labkit.models import tiny_llama
 from labkit.quant.nf4 import (
+    NF4_BITS,
     NF4Weight,
     dequantize_blockwise,
     dynamic_grid,
@@ -190,6 +191,14 @@ def test_labkit_dequantizes_bitsandbytes_state_bit_for_bit(bnb, weight):
 
 
 # ----------------------------------------------------------------------------- the whole model
+
+
+def test_nf4_bits_is_what_a_double_quantized_weight_stores():
+    assert NF4_BITS == 4 + 8 / 64 + 32 / (64 * 256) == 4.126953125  # QLoRA's "4.127 bits per parameter"
+    w = torch.randn(128, 256, generator=torch.Generator().manual_seed(0))  # 32,768 weights: 512 blocks, 2 of scales
+    q = quantize_nf4(w)
+    assert q.nbytes == 16_384 + 512 + 2 * 4 + 4  # codes, 8-bit scales, their 2 fp32 scales, the fp32 offset
+    assert 8 * q.nbytes / w.numel() == NF4_BITS + 32 / w.numel()  # the offset is the only cost NF4_BITS leaves out
 
 
 def test_quantize_model_nf4_replaces_decoder_linears_only():

@@ -10,7 +10,7 @@ import torch
 from labkit.calibration import TOKENS_PER_INPUT
 from labkit.models import tiny_llama
 from labkit.quant.formats import QuantConfig
-from labkit.quant.whole_model import METHODS, quantize_model
+from labkit.quant.whole_model import METHODS, quantize_model, weight_bytes
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +45,21 @@ def test_quantize_model_inplace_changes_the_model():
     original = model.model.layers[0].mlp.up_proj.weight.clone()
     qm = quantize_model(model, QuantConfig(bits=4, group_size=32), method="rtn", inplace=True, progress=False)
     assert qm.model is model and not torch.equal(model.model.layers[0].mlp.up_proj.weight, original)
+
+
+def test_weight_bytes_and_bits_per_weight_count_the_packed_layers_by_hand(tiny):
+    qm = quantize_model(tiny, QuantConfig(bits=4, group_size=32), method="rtn", progress=False)
+    # per weight 4 bits + an fp16 scale and a 4-bit zero per group of 32 = 4.625 bits; per input column an int32
+    # g_idx. q, o: 4,096 weights of 64 inputs; k, v: 2,048 of 64; gate, up: 8,192 of 64; down: 8,192 of 128
+    per_layer = 2 * (2368 + 256) + 2 * (1184 + 256) + 2 * (4736 + 256) + (4736 + 512)
+    weights = 2 * (2 * 4096 + 2 * 2048 + 3 * 8192)
+    assert weight_bytes(qm) == {
+        "quantized": 2 * per_layer,
+        "fp16": 2 * weights,
+        "fp32": 4 * weights,
+        "weights": weights,
+    }
+    assert qm.bits_per_weight() == 8 * 23_360 / 36_864 == 8 * 2 * per_layer / weights
 
 
 def test_gptq_warns_when_calibration_leaves_the_hessian_nearly_singular(tiny, calibration):

@@ -42,12 +42,13 @@ from labkit.quant.interop import (
     load_with_transformers,
     quantize_with_gptqmodel,
 )
-from labkit.quant.nf4 import quantize_model_nf4, quantize_nf4
+from labkit.quant.nf4 import NF4_BITS, quantize_model_nf4, quantize_nf4
 from labkit.quant.packed import NF4Linear, PackedLinear, pack_model, pack_model_nf4, store_embeddings
 from labkit.quant.whole_model import METHODS, quantize_model, weight_bytes
 
 __all__ = [
     "METHODS",
+    "NF4_BITS",
     "NF4Linear",
     "TOKENS_PER_INPUT",
     "PackedLinear",

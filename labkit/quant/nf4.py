@@ -32,6 +32,9 @@ from labkit.torchutil import check_bool, check_int, check_module, decoder_linear
 NF4_OFFSET = 0.9677083
 BLOCKSIZE = 64
 SCALE_BLOCKSIZE = 256  # scales per block of the double quantization
+# Bits per weight with double quantization: the 4-bit code, an 8-bit scale code per BLOCKSIZE weights and an fp32
+# scale per SCALE_BLOCKSIZE of those (the one fp32 offset per tensor aside): 4 + 8/64 + 32/(64·256) ≈ 4.127
+NF4_BITS = 4 + 8 / BLOCKSIZE + 32 / (BLOCKSIZE * SCALE_BLOCKSIZE)
 
 
 @functools.cache

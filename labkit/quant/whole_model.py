@@ -44,6 +44,11 @@ class QuantizedModel:
     seconds: float = 0.0
     calibration_tokens: int = 0
 
+    def bits_per_weight(self) -> float:
+        """Stored bits per quantized weight, as `weight_bytes` counts them packed (scales, zeros and g_idx included)."""
+        sizes = weight_bytes(self)
+        return 8 * sizes["quantized"] / sizes["weights"]
+
 
 def quantize_model(
     model: nn.Module,

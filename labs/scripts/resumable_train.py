@@ -33,7 +33,7 @@ def main() -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
     profile, device = profiles.get_profile(), bench.as_device(None)
     paths = sorted(args.shards.glob("*.bin"))
-    loader = shards.make_loader(paths, profile.block_size, args.batch_size, seed=0, device=device)
+    loader = shards.make_loader(paths, profile.train.block_size, args.batch_size, seed=0, device=device)
     cfg = TrainConfig(
         steps=args.steps,
         lr=2e-3,

@@ -225,13 +225,13 @@ def main() -> None:
     parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated, from " + ", ".join(PARTS))
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument(
-        "--hidden", type=int, default=profile.scale_hidden, help="a multiple of 128 (models.llama_shape)"
+        "--hidden", type=int, default=profile.scale.hidden, help="a multiple of 128 (models.llama_shape)"
     )
-    parser.add_argument("--layers", type=int, default=profile.scale_layers)
-    parser.add_argument("--batch", type=int, default=profile.scale_batch, help="sequences per rank per step")
-    parser.add_argument("--seq", type=int, default=profile.scale_seq, help="tokens per sequence")
+    parser.add_argument("--layers", type=int, default=profile.scale.layers)
+    parser.add_argument("--batch", type=int, default=profile.scale.batch, help="sequences per rank per step")
+    parser.add_argument("--seq", type=int, default=profile.scale.seq, help="tokens per sequence")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per method (the median is reported)")
-    parser.add_argument("--steps", type=int, default=profile.scale_steps, help="steps per compression curve")
+    parser.add_argument("--steps", type=int, default=profile.scale.steps, help="steps per compression curve")
     parser.add_argument("--lr", type=float, default=3e-3, help="learning rate of the compression curves")
     parser.add_argument("--shards", help="token shards for the compression curves (default: synthetic streams)")
     args = parser.parse_args()
