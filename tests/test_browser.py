@@ -102,7 +102,7 @@ def jupyterlab(tmp_path_factory):
             [
                 sys.executable,
                 "-m",
-                "labkit",
+                "labcourse",
                 "lab",
                 "--root",
                 str(root),
@@ -339,7 +339,7 @@ def test_tensorboard_shows_a_training_runs_curves(browser, tmp_path):
     port = _free_port()
     with open(tmp_path / "tensorboard.log", "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "labkit", "tensorboard", "--logdir", str(tmp_path / "runs"), f"--port={port}"],
+            [sys.executable, "-m", "labcourse", "tensorboard", "--logdir", str(tmp_path / "runs"), f"--port={port}"],
             cwd=ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,
