@@ -101,3 +101,19 @@ def sharding_results():
 
     script = Path(__file__).parents[1] / "labs" / "scripts" / "sharding.py"
     return launch.launch(script, nproc=2, args=[*SHARDING_ARGS, "--repeats", "1"], echo=None, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A tiny random Llama (labkit.models.tiny_llama), one per test module: the calibration and quantization tests'."""
+    from labkit.models import tiny_llama
+
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def calibration():
+    """Eight windows of 64 random token ids for `tiny`, the same in every module (seed 0)."""
+    import torch
+
+    return torch.randint(2, 512, (8, 64), generator=torch.Generator().manual_seed(0))

@@ -26,16 +26,6 @@ GROUPS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return tiny_llama()
-
-
-@pytest.fixture(scope="module")
-def calibration():
-    return torch.randint(2, 512, (8, 64), generator=torch.Generator().manual_seed(0))
-
-
 def correlated_inputs(n: int, dim: int, seed: int = 0) -> torch.Tensor:
     """Inputs with strongly correlated features, as real activations have (a Hessian far from diagonal)."""
     g = torch.Generator().manual_seed(seed)

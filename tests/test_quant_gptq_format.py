@@ -71,16 +71,6 @@ def test_symmetric_zeros_are_stored_minus_one(sym):
     assert torch.equal(back.zeros, q.zeros) and torch.equal(back.codes, q.codes)
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return tiny_llama()
-
-
-@pytest.fixture(scope="module")
-def calibration():
-    return torch.randint(2, 512, (8, 64), generator=torch.Generator().manual_seed(0))
-
-
 def test_checkpoint_round_trip_is_exact_in_fp32(tiny, calibration, tmp_path):
     qm = quantize_model(tiny, QuantConfig(bits=4, group_size=32, act_order=True), calibration, progress=False)
     save_gptq(qm, None, tmp_path / "q", dtype=torch.float32)

@@ -21,16 +21,6 @@ from labkit.torchutil import quiet
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return tiny_llama()
-
-
-@pytest.fixture(scope="module")
-def calibration():
-    return torch.randint(2, 512, (8, 64), generator=torch.Generator().manual_seed(0))
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not gptqmodel_available(), reason="GPTQModel and optimum are not installed")
 @pytest.mark.parametrize("bits", [3, 4])

@@ -13,16 +13,6 @@ from labkit.quant.formats import QuantConfig
 from labkit.quant.whole_model import METHODS, quantize_model, weight_bytes
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return tiny_llama()
-
-
-@pytest.fixture(scope="module")
-def calibration():
-    return torch.randint(2, 512, (8, 64), generator=torch.Generator().manual_seed(0))
-
-
 @pytest.mark.parametrize("method", METHODS)
 def test_quantize_model_leaves_the_source_alone_and_quantizes_every_block_linear(tiny, calibration, method):
     before = {k: v.clone() for k, v in tiny.state_dict().items()}
