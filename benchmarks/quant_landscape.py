@@ -21,7 +21,6 @@ from labkit import bench, evaluate, quant
 from labkit.data import load_corpus
 from labkit.models import load_model
 from labkit.profiles import get_profile
-from labkit.quant.awq import awq_model
 from labkit.torchutil import decoder_layers
 
 
@@ -67,7 +66,6 @@ def main() -> None:
 
     model, tok = load_model()
     calib = quant.calibration_blocks(tok, load_corpus("wiki", "train"), args.blocks, args.block_size)
-    g4 = quant.QuantConfig(bits=4, group_size=args.group_size)
 
     def ppl(m) -> float:
         return evaluate.split_perplexity(
@@ -77,30 +75,15 @@ def main() -> None:
     print(f"{args.documents} validation articles, window {profile.eval.max_length}, {calib.numel()} calibration tokens")
     print(f"{bench.device_name()}, {torch.get_num_threads()} threads")
     rows = [{"method": "fp32", "bits": 32.0, "seconds": 0.0, "ppl": ppl(model)}]
-
-    def add(method: str, qmodel: nn.Module, bits_per_weight: float, seconds: float) -> None:
-        rows.append({"method": method, "bits": bits_per_weight, "seconds": seconds, "ppl": ppl(qmodel)})
-        print(f"{method:<26} {bits_per_weight:5.2f} bits/weight  perplexity {rows[-1]['ppl']:8.2f}  ({seconds:.0f} s)")
-
-    q8 = quant.quantize_model(model, quant.QuantConfig(bits=8, group_size=-1), method="rtn", progress=False)
-    add("RTN 8-bit per channel", q8.model, q8.bits_per_weight(), q8.seconds)
-    del q8
-    q4 = quant.quantize_model(model, g4, method="rtn", progress=False)
-    add(f"RTN {g4.label()}", q4.model, q4.bits_per_weight(), q4.seconds)
-    del q4
-    nf4 = quant.quantize_model_nf4(model, progress=False)
-    add("NF4 + double quant", nf4.model, nf4.bits_per_weight(), nf4.seconds)
-    del nf4
-    scaled = awq_model(model, calib, g4, progress=False)
-    awq = quant.quantize_model(scaled.model, g4, method="rtn", inplace=True, progress=False)
-    alphas = [r.alpha for r in scaled.records]
-    add(f"AWQ-style + RTN {g4.label()}", awq.model, awq.bits_per_weight(), scaled.seconds + awq.seconds)
-    print(f"  α chosen: median {statistics.median(alphas):.2f}, range {min(alphas):.2f}–{max(alphas):.2f}")
-    del scaled, awq
-    act = quant.QuantConfig(bits=4, group_size=args.group_size, act_order=True)
-    gptq = quant.quantize_model(model, act, calib, progress=False)
-    add(f"GPTQ {act.label()}", gptq.model, gptq.bits_per_weight(), gptq.seconds)
-    del gptq
+    alphas: list[float] = []
+    for point in quant.ptq_landscape(model, calib, ppl, group_size=args.group_size):
+        rows.append({"method": point.method, "bits": point.bits, "seconds": point.seconds, "ppl": point.score})
+        print(
+            f"{point.method:<26} {point.bits:5.2f} bits/weight  perplexity {point.score:8.2f}  ({point.seconds:.0f} s)"
+        )
+        if point.alphas:
+            alphas = list(point.alphas)
+            print(f"  α chosen: median {statistics.median(alphas):.2f}, range {min(alphas):.2f}–{max(alphas):.2f}")
 
     parity = nf4_parity(model, args.repeats)
     print(

@@ -24,6 +24,7 @@ zero point; each weight becomes an integer code q in [0, 2^bits - 1] standing fo
   GPTQModel load; `load_gptq` also reads checkpoints that GPTQModel wrote.
 - `interop`: GPTQModel and transformers on the library side, for parity.
 - `cache`: `quantize_model_cached`, a whole-model quantization done once and reused (labs 07 and 08 share it).
+- `landscape`: `ptq_landscape`, the model through every method above near 4 bits (and RTN at 8), scored alike.
 
 The names below are those the labs, benchmarks and other labkit modules call as `quant.X`; everything else
 is imported from its module (`from labkit.quant.gptq import ...`).
@@ -42,6 +43,7 @@ from labkit.quant.interop import (
     load_with_transformers,
     quantize_with_gptqmodel,
 )
+from labkit.quant.landscape import ptq_landscape
 from labkit.quant.nf4 import NF4_BITS, quantize_model_nf4, quantize_nf4
 from labkit.quant.packed import NF4Linear, PackedLinear, pack_model, pack_model_nf4, store_embeddings
 from labkit.quant.whole_model import METHODS, quantize_model, weight_bytes
@@ -69,6 +71,7 @@ __all__ = [
     "pack_model",
     "pack_model_nf4",
     "pack_rows",
+    "ptq_landscape",
     "quantize_column",
     "quantize_model",
     "quantize_model_cached",
