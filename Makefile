@@ -110,8 +110,9 @@ $(STAMP):
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet $(TORCH)
 	# pin the torch already installed, so that no dependency (GPTQModel's newest release wants a
-	# newer torch) can swap it for a multi-GB download
-	$(PY) -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' > $(VENV)/constraints.txt
+	# newer torch) can swap it for a multi-GB download (numpy comes next: torch's warning that it is
+	# missing is not the user's business)
+	$(PY) -W ignore::UserWarning -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' > $(VENV)/constraints.txt
 	$(PY) -m pip install --quiet -c $(VENV)/constraints.txt -e ".[dev,gptq,qlora,monitor]"
 	# torchao comes with GPTQModel, which does not need it for GPTQ; its CPU wheel prints load
 	# failures on every transformers import, so it is removed (reinstall it if you use it).

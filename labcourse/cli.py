@@ -10,11 +10,43 @@ import sys
 import time
 from pathlib import Path
 
+from labkit import fileio
 from labkit.cli import Parser, one_line, run, silence_stdout
 
 LABS_DIR = Path(__file__).resolve().parent.parent / "labs"
 
 # Each command imports what it needs inside its function: `labcourse --help` should not pay for torch.
+
+
+START_PAGE = "START_HERE.md"
+# JupyterLab's defaults for class, under any the student sets: Markdown pages open rendered (the start page, the
+# glossary), and no pop-up asks about news (which would be fetched from the internet).
+CLASS_DEFAULTS = {
+    "@jupyterlab/docmanager-extension:plugin": {"defaultViewers": {"markdown": "Markdown Preview"}},
+    "@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": False},
+}
+
+
+def _class_settings(dest: Path) -> Path:
+    """JupyterLab's application settings folder for class: the installation's own (if any) with CLASS_DEFAULTS
+    added to its overrides.json, written to `dest`."""
+    import json
+
+    from jupyterlab.commands import get_app_dir
+
+    installed = Path(get_app_dir()) / "settings"
+    dest.mkdir(parents=True, exist_ok=True)
+    overrides = {}
+    if installed.is_dir():
+        for path in installed.iterdir():
+            if path.is_file() and path.name != "overrides.json":
+                shutil.copy2(path, dest / path.name)
+        if (installed / "overrides.json").is_file():
+            overrides = json.loads((installed / "overrides.json").read_text(encoding="utf-8"))
+    for plugin, values in CLASS_DEFAULTS.items():
+        overrides[plugin] = {**overrides.get(plugin, {}), **values}
+    fileio.atomic_write_text(dest / "overrides.json", json.dumps(overrides, indent=1))
+    return dest
 
 
 def _lab(args: argparse.Namespace) -> int:
@@ -31,8 +63,12 @@ def _lab(args: argparse.Namespace) -> int:
         root = args.workspace or LABS_DIR.parent / "build" / ("lab-solutions" if args.solutions else "lab")
         for name, what in workspace(LABS_DIR, root, solutions=args.solutions).items():
             print(f"{root.name}/{name}: {what}")
-    # Offline by default: the extension manager would otherwise query PyPI.
+    # Offline by default: the extension manager and the update check would otherwise query PyPI.
     cmd = [jupyter, "lab", f"--ServerApp.root_dir={root}", "--LabApp.extension_manager=readonly"]
+    cmd += ["--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
+    cmd.append(f"--LabApp.app_settings_dir={_class_settings(LABS_DIR.parent / 'build' / 'jupyterlab-settings')}")
+    if (Path(root) / START_PAGE).is_file():
+        cmd.append(f"--LabApp.default_url=/lab/tree/{START_PAGE}")
     if hasattr(os, "geteuid") and os.geteuid() == 0:  # containers and CI often run as root
         cmd.append("--allow-root")
     cmd += args.passthrough

@@ -11,12 +11,15 @@ The table's template (`docs/measured.md`) is Markdown with placeholders, each na
 
 After `|` comes a Python format spec, `~N` for N significant digits (thousands separated), or `min` (M min S s).
 `{{sources}}` in a row becomes a link to each source the row used, with the machine, profile and date it ran on.
-`docs/times.md` renders the instructor guide's time per lab the same way (`TARGETS`). Each rendering replaces the
-lines between its file's markers; a test fails when a committed file differs from its rendering.
+`docs/times.md` renders the instructor guide's time per lab the same way, and `docs/start.md` the start page's table
+of labs (`TARGETS`; a lab's source also gives its `title` and the labs it `needs`, read from its first cell). Each
+rendering replaces the lines between its file's markers; a test fails when a committed file differs from its
+rendering.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import posixpath
 import re
@@ -32,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TARGETS = {  # file -> its template; the rendering replaces the lines between the file's markers
     Path("README.md"): Path("docs/measured.md"),
     Path("docs/instructor.md"): Path("docs/times.md"),
+    Path("labs/START_HERE.md"): Path("docs/start.md"),
 }
 END = "<!-- figures: end -->"
 RUN_LABELS = {"make_test": "a fresh clone's `.ci/run`"}  # saved runs that no script in benchmarks/ makes
@@ -192,6 +196,20 @@ def _newest_matching(found: list[tuple[Path, dict[str, Any]]], selector: str, na
     return hits[-1]
 
 
+def lab_header(path: Path) -> dict[str, str]:
+    """What a lab's first cell says of it, for the start page: its `title` (the heading after "Lab NN — ") and the
+    labs it `needs` (every two-digit lab number on its **Prerequisites:** line, or "none"); each only if present."""
+    cells = json.loads(as_path("path", path).read_text(encoding="utf-8")).get("cells") or [{}]
+    source = cells[0].get("source", "") if isinstance(cells[0], dict) else ""
+    text = "".join(source) if isinstance(source, list) else str(source)
+    found = {}
+    if heading := re.search(r"^# (?:Lab \d+ — )?(.+)$", text, re.MULTILINE):
+        found["title"] = heading.group(1).strip()
+    if needs := re.search(r"^\*\*Prerequisites:\*\*(.*)$", text, re.MULTILINE):
+        found["needs"] = ", ".join(sorted(set(re.findall(r"\b(\d\d)\b", needs.group(1))))) or "none"
+    return found
+
+
 class Sources:
     """The figures of every lab and benchmark a template names, read once each from the repository at `root`."""
 
@@ -224,6 +242,7 @@ class Sources:
                     f"{name}: {link}: metadata.labkit.executed is a {type(executed).__name__}, not an object"
                 )
             figures: dict[str, Any] = {"executed seconds": executed.get("seconds")}  # `make execute`'s whole run
+            figures |= lab_header(nb)
             for payload in payloads:
                 if not isinstance(payload.get("figures", {}), dict):
                     raise FigureError(f"{name}: {link} published 'figures' that are not an object: {payload}")

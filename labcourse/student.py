@@ -83,8 +83,11 @@ def _notebooks(labs: str | Path) -> list[Path]:
     return notebooks
 
 
-def _copy_scripts(labs: str | Path, dest: str | Path) -> None:
-    """What labs 04-05 launch under torchrun, beside the notebooks, unchanged."""
+def _copy_course_files(labs: str | Path, dest: str | Path) -> None:
+    """The course's pages (start page, glossary, reading list) and what labs 04-05 launch under torchrun, beside
+    the notebooks, unchanged: their links to each other work in every copy."""
+    for page in Path(labs).glob("*.md"):
+        fileio.atomic_write_text(Path(dest) / page.name, page.read_text(encoding="utf-8"))
     if (Path(labs) / "scripts").is_dir():
         shutil.copytree(
             Path(labs) / "scripts",
@@ -113,7 +116,7 @@ def build_student(labs: str | Path, dest: str | Path, keep_outputs: bool = False
     with fileio.atomic_directory(dest, source=labs, legacy=lambda d: _earlier_build(d, set(built))) as tmp:
         for name, (nb, _) in built.items():
             nbformat.write(nb, str(Path(tmp) / name))
-        _copy_scripts(labs, tmp)
+        _copy_course_files(labs, tmp)
     return {name: count for name, (_, count) in built.items()}
 
 
@@ -174,6 +177,6 @@ def workspace(labs: str | Path, dest: str | Path, solutions: bool = False) -> di
             continue
         fileio.atomic_write_text(copy, text)
         written[path.name] = new
-    _copy_scripts(labs, dest)
+    _copy_course_files(labs, dest)
     fileio.atomic_write_text(manifest_path, json.dumps(written, indent=1, sort_keys=True))
     return report

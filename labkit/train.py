@@ -92,9 +92,12 @@ def as_batch(item: Any, device: torch.device) -> dict[str, torch.Tensor]:
 
 
 def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], policy: precision.Policy) -> torch.Tensor:
-    """Summed cross-entropy over the batch's target tokens (positions with target -100 are skipped)."""
+    """Summed cross-entropy over the batch's target tokens (positions with target -100 are skipped). A transformers
+    model is told to build no KV cache: training never reads one (and with checkpointing transformers warns)."""
+    inner = getattr(model, "module", model)  # DDP and DataParallel wrap the model
+    no_cache = {"use_cache": False} if hasattr(getattr(inner, "config", None), "use_cache") else {}
     with policy.autocast():
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), **no_cache).logits
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16/fp16 up to fp32; fp64 stays fp64
     return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), ignore_index=-100, reduction="sum")
 

@@ -29,6 +29,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from labcourse.cli import START_PAGE
+
 ROOT = Path(__file__).resolve().parents[1]
 LAB = "00_gpu_setup.ipynb"
 SCREENSHOTS = ROOT / "build" / "screenshots"
@@ -81,11 +83,9 @@ def jupyterlab(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("jupyterlab")
     root = tmp / "labs"
     root.mkdir()
+    shutil.copy(ROOT / "labs" / START_PAGE, root / START_PAGE)  # as `make lab` puts it beside the labs
     settings = tmp / "settings" / "@jupyterlab"
-    for plugin, values in (
-        ("notebook-extension/tracker", {"windowingMode": "none"}),  # every cell in the DOM
-        ("apputils-extension/notification", {"fetchNews": "false"}),
-    ):  # offline: no news
+    for plugin, values in (("notebook-extension/tracker", {"windowingMode": "none"}),):  # every cell in the DOM
         path = settings / f"{plugin}.jupyterlab-settings"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(values))
@@ -283,6 +283,30 @@ def run_in_jupyterlab(driver, base: str, token: str, path: str, name: str) -> di
         RUN_TIMEOUT,
         "every code cell run (or one failed)",
     )
+
+
+def test_jupyterlab_opens_on_the_start_page_rendered_without_a_news_popup(jupyterlab, browser):
+    base, token, _ = jupyterlab
+    browser.get(f"{base}/?token={token}")  # where `make lab` points the browser: the server sends it on
+    title = (ROOT / "labs" / START_PAGE).read_text().splitlines()[0].removeprefix("# ")
+    seen: dict = {}
+    start = time.monotonic()
+    while time.monotonic() < start + OPEN_TIMEOUT:
+        seen = browser.execute_script(
+            "const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;"
+            "const h1 = w && w.node.querySelector('.jp-RenderedMarkdown h1');"
+            "return {tab: w ? w.title.label : null, h1: h1 ? h1.textContent : null,"
+            " toasts: [...document.querySelectorAll('.Toastify__toast')].map(t => t.textContent)};"
+        )
+        if seen["h1"] and seen["h1"].startswith(title) and time.monotonic() > start + 5:
+            break  # rendered, and 5 s given for a pop-up to show
+        time.sleep(1)
+    else:
+        _fail(browser, "start_page", f"the start page did not open rendered; last seen {seen}")
+    assert seen["tab"] == START_PAGE
+    assert not [t for t in seen["toasts"] if "news" in t.lower()], seen["toasts"]
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    browser.save_screenshot(str(SCREENSHOTS / "start_page.png"))
 
 
 def test_lab00_runs_in_jupyterlab_in_headless_chromium(jupyterlab, browser):

@@ -63,5 +63,49 @@ def test_lab_server_answers_on_its_port(tmp_path):
         proc.wait(timeout=30)
     assert status is not None and "started" in status
     assert "00_gpu_setup.ipynb" in names  # it serves working copies of the course's labs
+    assert cli.START_PAGE in names  # and the start page it opens on
     served = nbformat.read(str(tmp_path / "lab" / "00_gpu_setup.ipynb"), as_version=4)
     assert not any(c.get("outputs") for c in served.cells)  # the student build, not the solved notebook
+
+
+def test_class_settings_add_the_course_defaults_to_the_installations_own(tmp_path, monkeypatch):
+    installed = tmp_path / "app" / "settings"
+    installed.mkdir(parents=True)
+    (installed / "page_config.json").write_text('{"disabledExtensions": {"x": true}}')
+    (installed / "overrides.json").write_text(
+        json.dumps(
+            {
+                "@jupyterlab/apputils-extension:themes": {"theme": "JupyterLab Dark"},
+                "@jupyterlab/docmanager-extension:plugin": {"autosave": False},
+            }
+        )
+    )
+    monkeypatch.setattr("jupyterlab.commands.get_app_dir", lambda: str(tmp_path / "app"))
+    dest = cli._class_settings(tmp_path / "settings")
+    overrides = json.loads((dest / "overrides.json").read_text())
+    assert overrides == {
+        "@jupyterlab/apputils-extension:themes": {"theme": "JupyterLab Dark"},
+        "@jupyterlab/docmanager-extension:plugin": {
+            "autosave": False,
+            "defaultViewers": {"markdown": "Markdown Preview"},
+        },
+        "@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": False},
+    }
+    assert (dest / "page_config.json").read_text() == (installed / "page_config.json").read_text()
+
+
+def test_lab_opens_the_start_page_with_the_class_settings(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(os, "execv", lambda path, argv: calls.append(argv))
+    monkeypatch.setattr(cli, "LABS_DIR", tmp_path / "repo" / "labs")
+    for root, has_page in ((tmp_path / "with", True), (tmp_path / "without", False)):
+        root.mkdir()
+        if has_page:
+            (root / cli.START_PAGE).write_text("# start\n")
+        cli.main(["lab", "--root", str(root), "--no-browser"])
+        argv = calls[-1]
+        assert f"--ServerApp.root_dir={root}" in argv and argv[-1] == "--no-browser"
+        assert ("--LabApp.default_url=/lab/tree/START_HERE.md" in argv) == has_page
+        settings = tmp_path / "repo" / "build" / "jupyterlab-settings"
+        assert f"--LabApp.app_settings_dir={settings}" in argv and (settings / "overrides.json").is_file()
+        assert "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate" in argv  # offline

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from nbformat.v4 import new_code_cell, new_notebook, new_output
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
 from labcourse import figures, results
 
@@ -82,7 +82,10 @@ def make_repo(tmp_path, *, executed=True):
     cell = new_code_cell("expected.check(...)", execution_count=1)
     payload = {"lab": "04", "profile": "cpu", "figures": {"tokens/s, 1 rank": 450.2, "tokens/s, 2 ranks": 829.0}}
     cell.outputs = [new_output("display_data", data={"text/plain": "table", results.MIME: payload})]
-    nb = new_notebook(cells=[cell])
+    header = new_markdown_cell(
+        "# Lab 04 — Data parallelism\n\n**Prerequisites:** labs 02 and 03 (the trainer); a GPU helps."
+    )
+    nb = new_notebook(cells=[header, cell])
     if executed:
         nb.metadata["labkit"] = {
             "executed": {
@@ -116,12 +119,18 @@ def make_repo(tmp_path, *, executed=True):
     )
     guide = f"# guide\n{figures.begin(Path('docs/times.md'))}\n{figures.END}\n"
     (tmp_path / "docs" / "instructor.md").write_text(guide)
+    (tmp_path / "docs" / "start.md").write_text(
+        "| lab | title | builds on | by |\n|---|---|---|---|\n"
+        "| [04](04_data.ipynb) | {{lab04: title}} | {{lab04: needs}} | {{sources}} |\n"
+    )
+    start = f"# start\n{figures.begin(Path('docs/start.md'))}\n{figures.END}\n"
+    (tmp_path / "labs" / "START_HERE.md").write_text(start)
     return tmp_path
 
 
 def test_a_template_renders_each_figure_from_its_source_with_links(tmp_path):
     root = make_repo(tmp_path)
-    assert figures.update(root) == [Path("README.md"), Path("docs/instructor.md")]
+    assert figures.update(root) == [Path("README.md"), Path("docs/instructor.md"), Path("labs/START_HERE.md")]
     readme = (root / "README.md").read_text()
     lab = "[lab 04](labs/04_data.ipynb) (`cpu`, Test CPU [avx2/avx512_bf16], 2026-11-25)"
     bench = (
@@ -139,6 +148,8 @@ def test_a_template_renders_each_figure_from_its_source_with_links(tmp_path):
         + figures.END
         + "\n"
     )
+    start = (root / "labs" / "START_HERE.md").read_text()  # title and prerequisites read from the lab's first cell
+    assert "| [04](04_data.ipynb) | Data parallelism | 02, 03 | [lab 04](04_data.ipynb) (`cpu`, Test CPU" in start
     assert figures.update(root) == [] and figures.stale(root) == []  # rendering again changes nothing
     assert figures.typed_rows((root / "docs" / "measured.md").read_text()) == ["| typed | 3.14 | by hand |"]
 
@@ -161,6 +172,23 @@ def test_errors_name_the_line_and_what_is_missing(tmp_path):
     (root / "README.md").write_text("# no markers\n")
     with pytest.raises(figures.FigureError, match="needs exactly one"):
         figures.rendered(Path("README.md"), root)
+
+
+def test_a_labs_header_gives_its_title_and_the_labs_it_builds_on(tmp_path):
+    path = tmp_path / "00.ipynb"
+    for first, header in (
+        (
+            "# Lab 00 — Your machine\n\n**Prerequisites:** none — start here.",
+            {"title": "Your machine", "needs": "none"},
+        ),
+        (
+            "# Lab 07 — GPTQ\n**Prerequisites:** lab 00 (perplexity); lab 06 helps, 2:4 not.",
+            {"title": "GPTQ", "needs": "00, 06"},
+        ),
+        ("no heading at all", {}),
+    ):
+        path.write_text(json.dumps(new_notebook(cells=[new_markdown_cell(first)])))
+        assert figures.lab_header(path) == header
 
 
 def test_a_lab_not_written_by_make_execute_is_no_source(tmp_path):

@@ -51,3 +51,34 @@ def test_a_lab_asserts_no_speed(path):
     nb = nbformat.read(str(path), as_version=4)
     found = [(i, a) for i, c in enumerate(nb.cells) if c.cell_type == "code" for a in speed_asserts(c.source)]
     assert found == [], f"{path.name} asserts a speed (report it with expected.check's speed ranges instead): {found}"
+
+
+PROGRESS = re.compile(r"^[^|]*\d+%\|.*\|")  # a tqdm bar: "train: 100%|██████████| 40/40 [...]"
+
+
+def library_noise(outputs: list[dict]) -> list[str]:
+    """The stderr lines of a cell's outputs that are not progress bars: a library talking to the student."""
+    lines = [
+        line
+        for out in outputs
+        if out.get("output_type") == "stream" and out.get("name") == "stderr"
+        for line in re.split(r"[\r\n]+", out.get("text", ""))
+    ]
+    return [line for line in lines if line.strip() and not PROGRESS.match(line)]
+
+
+def test_library_noise_finds_a_warning_and_passes_progress_bars():
+    bar = "train: 100%|██████████| 40/40 [01:15<00:00,  1.90s/it, loss=7.384]\r"
+    warning = "[transformers] `use_cache=True` is incompatible with gradient checkpointing."
+    assert library_noise([{"output_type": "stream", "name": "stderr", "text": bar + "\n"}]) == []
+    assert library_noise([{"output_type": "stream", "name": "stderr", "text": f"{bar}\n{warning}\n"}]) == [warning]
+    assert library_noise([{"output_type": "stream", "name": "stdout", "text": warning}]) == []
+
+
+@pytest.mark.parametrize("path", LABS, ids=lambda p: p.stem)
+def test_a_committed_run_has_no_library_noise(path):
+    """Warnings that are not the student's business are silenced where they arise (labkit, the Makefile), so a
+    clean run shows on stderr only progress bars."""
+    nb = nbformat.read(str(path), as_version=4)
+    noise = {i: library_noise(c.get("outputs", [])) for i, c in enumerate(nb.cells) if c.cell_type == "code"}
+    assert not {i: lines for i, lines in noise.items() if lines}, f"{path.name}: stderr lines by cell index"

@@ -53,6 +53,8 @@ def test_the_student_build_covers_every_lab_and_clears_outputs(tmp_path):
     assert set(counts) == {p.name for p in LABS.glob("*.ipynb")}
     assert sum(counts.values()) >= 5  # exercises in labs 01, 02, 03, 06 and 08 at least
     assert (tmp_path / "student" / "scripts" / "ddp_train.py").is_file()
+    for page in LABS.glob("*.md"):  # the start page and the pages it links, beside the labs as in labs/
+        assert (tmp_path / "student" / page.name).read_text() == page.read_text()
     for name in counts:
         nb = nbformat.read(str(tmp_path / "student" / name), as_version=4)
         code = [c for c in nb.cells if c.cell_type == "code"]

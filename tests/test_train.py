@@ -174,6 +174,25 @@ def test_loss_sum_keeps_float64_and_lifts_bf16_logits_to_fp32():
     assert loss_sum(tiny_llama().to(torch.bfloat16), batch, FP32).dtype == torch.float32
 
 
+def test_loss_sum_asks_a_transformers_model_for_no_kv_cache_and_others_for_nothing_more():
+    batch = as_batch(pad_batch(_variable_length_batch()[:2], pad_id=1), CPU)
+    seen = []
+    model = tiny_llama()
+    model.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs.get("use_cache")), with_kwargs=True)
+    loss_sum(model, batch, FP32)
+    assert seen == [False]  # training never reads a cache; with checkpointing transformers would warn
+
+    class Plain(torch.nn.Module):  # any model taking input_ids and attention_mask, with no transformers config
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(512, 8)
+
+        def forward(self, input_ids, attention_mask=None):
+            return type("Out", (), {"logits": self.embed(input_ids) @ self.embed.weight.T})()
+
+    assert loss_sum(Plain(), batch, FP32).isfinite()
+
+
 def test_accumulation_equals_one_big_batch_with_padding():
     model = tiny_llama().double()  # equal in exact arithmetic: compared in float64 (tests/numerics.py)
     docs = _variable_length_batch()
