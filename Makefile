@@ -17,6 +17,8 @@
 #   make figures             render the README's measured table from results/ and the executed labs
 #                            (docs/measured.md is its template: every figure names its source)
 #   make student             write build/student/: the labs with exercise solutions stubbed
+#   make slides              write build/slides/: a reveal.js deck per lab from its executed notebook (headings,
+#                            predictions, figures) that opens offline (reveal.js and MathJax are copied beside it)
 #   make gpu-check           on a GPU machine: every lab under the gpu profile and the GPU benchmarks,
 #                            one JSON naming the device (results/gpu-check.json); no CUDA: CPU checks only
 #   make gpu-check GPU_CHECK_ARGS=--no-labs   (the benchmarks alone, minutes instead of an hour)
@@ -48,7 +50,7 @@ STAMP      := $(VENV)/.labkit-installed-$(SETUP_HASH)
 # this clone's labkit, also where the venv's editable install points at another clone (VENV=)
 RUN        := PATH="$(abspath $(VENV))/bin:$$PATH" PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}"
 
-.PHONY: lab lab-solutions test lint gpu-check execute figures student setup prepare doctor clean tensorboard
+.PHONY: lab lab-solutions test lint gpu-check execute figures student slides setup prepare doctor clean tensorboard
 
 # Both open working copies under build/, never the tracked notebooks: running a lab modifies no tracked
 # file, and a copy a student has changed is never overwritten (an unchanged one follows the course).
@@ -131,6 +133,10 @@ $(STAMP):
 
 prepare: setup
 	$(PY) -m labkit prepare
+
+# the decks need no model or corpus, only the dev extra's reveal.js and MathJax: setup, not prepare
+slides: setup
+	$(RUN) $(PY) -m labcourse slides --output build/slides
 
 doctor: setup
 	$(PY) -m labkit doctor

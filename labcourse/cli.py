@@ -1,4 +1,4 @@
-"""Command line of the course: `labcourse lab | tensorboard | execute | figures | student | gpu-check`: the
+"""Command line of the course: `labcourse lab | tensorboard | execute | figures | student | slides | gpu-check`: the
 machinery that opens, runs, builds and measures the labs of this repository (`labkit` holds the techniques)."""
 
 from __future__ import annotations
@@ -167,6 +167,17 @@ def _student(args: argparse.Namespace) -> int:
     return 0
 
 
+def _slides(args: argparse.Namespace) -> int:
+    from labcourse.slides import write_decks
+
+    notebooks = args.notebooks or sorted(LABS_DIR.glob("[0-9][0-9]_*.ipynb"))
+    if not notebooks:
+        raise FileNotFoundError(f"no labs in {LABS_DIR}: name the notebooks to make decks of")
+    for path, count in write_decks(notebooks, args.output).items():
+        print(f"{path}: {count} slides")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `labcourse` command."""
     parser = Parser(prog="labcourse", description=__doc__)
@@ -229,6 +240,14 @@ def main(argv: list[str] | None = None) -> int:
         "--keep-outputs", action="store_true", help="keep the committed outputs (what `make test` runs under nbval)"
     )
     p.set_defaults(func=_student)
+    p = sub.add_parser(
+        "slides",
+        help="write a reveal.js deck per lab from its executed notebook (headings, predictions, figures), "
+        "with reveal.js and MathJax beside it so that it opens offline",
+    )
+    p.add_argument("notebooks", nargs="*", type=Path, help="the notebooks (default: every lab in labs/)")
+    p.add_argument("--output", "-o", default="build/slides", help="where to write them (default: build/slides)")
+    p.set_defaults(func=_slides)
     # JupyterLab takes its options with or without `--`.
     return run(parser, sub, argv, passes_on={"lab": "unknown"})
 

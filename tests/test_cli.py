@@ -98,6 +98,8 @@ BAD_INPUT = [  # (command line, argv, exit status, what the one line on stderr s
     (course, ["execute", "--profile", "turbo", "{tmp}/list.ipynb"], 2, "argument --profile: invalid choice: 'turbo'"),
     (course, ["student", "--labs", "{tmp}/missing", "-o", "{tmp}/out"], 2, "no notebooks in"),
     (course, ["tensorboard", "--logdir", "{tmp}/missing"], 2, "no such folder"),
+    (course, ["slides", "{tmp}/missing.ipynb", "-o", "{tmp}/out"], 2, "No such file or directory: {tmp}/missing.ipynb"),
+    (course, ["slides", "{tmp}/list.ipynb", "-o", "{tmp}/out"], 2, "list.ipynb is not a notebook: the JSON is of type"),
     (course, ["execute", "--bogus"], 2, "labcourse execute: unrecognized arguments: --bogus"),
     (course, ["shards"], 2, "labcourse: argument command: invalid choice: 'shards'"),
 ]
