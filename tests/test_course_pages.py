@@ -1,5 +1,6 @@
-"""labs/glossary.md and labs/reading.md, the two pages beside the lab notebooks, so that a lab's relative link
-`glossary.md#lora` resolves wherever the notebooks and the pages sit together (on GitHub, in labs/).
+"""labs/glossary.md and labs/reading.md (and the start page that links them), the pages beside the lab notebooks,
+so that a lab's relative link `glossary.md#lora` resolves wherever the notebooks and the pages sit together (on
+GitHub, in labs/).
 
 Every local link resolves (the file, and for a Markdown file the heading anchor GitHub gives it); every URL is https
 and well formed, an arXiv one the abstract page; the glossary is alphabetical under a letter index, and each entry
@@ -23,7 +24,7 @@ import pytest
 from labcourse.student import HIDDEN  # cells the student build drops: a link there would vanish
 
 LABS_DIR = Path(__file__).resolve().parents[1] / "labs"
-PAGES = ("glossary.md", "reading.md")
+PAGES = ("glossary.md", "reading.md", "START_HERE.md")  # the start page links both, the labs and their runs
 ARXIV = re.compile(r"https://arxiv\.org/abs/\d{4}\.\d{4,5}")
 LINK = re.compile(r"!?\[((?:[^\[\]]|\[[^\]]*\])*)\]\(([^)\s]*)\)")
 
