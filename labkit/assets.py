@@ -121,8 +121,9 @@ def read_access_problem(path: str | Path) -> str | None:
     return None
 
 
-def write_access_problem(dest: str | Path) -> str | None:
-    """None if this user may (re)build `dest`, else a sentence naming the read-only directory and the fix."""
+def write_access_problem(dest: str | Path, builder: str = "`labkit prepare`") -> str | None:
+    """None if this user may (re)build `dest`, else a sentence naming the read-only directory and the fix: the
+    instructor runs `builder` (what writes `dest`) with this cache, or the user takes a cache of their own."""
     dest = Path(dest).absolute()
     directory = dest.parent
     while not directory.exists():
@@ -131,7 +132,7 @@ def write_access_problem(dest: str | Path) -> str | None:
         if not os.access(d, os.W_OK | os.X_OK):
             return (
                 f"cache {d} is not writable by user {_user()}: ask the instructor to run "
-                f"`labkit prepare` for this cache, or use a cache of your own: "
+                f"{builder} for this cache, or use a cache of your own: "
                 f"export {CACHE_ENV_VAR}=$HOME/labkit-cache"
             )
     return None
@@ -156,15 +157,16 @@ def output_path_problem(path: str | Path, directory: bool) -> str | None:
     return None
 
 
-def cached_build(dest: Path, build: Callable[[Path], None], source: str) -> Path:
+def cached_build(dest: Path, build: Callable[[Path], None], source: str, builder: str = "`labkit prepare`") -> Path:
     """Return `dest` if its manifest checks out, writing nothing (a shared cache may be read-only); otherwise
-    (re)build it atomically under a lock, re-checking first in case another process just built it."""
+    (re)build it atomically under a lock, re-checking first in case another process just built it. `builder` is what
+    an instructor runs to build it in a shared cache that the user cannot write."""
     if denied := read_access_problem(dest):
         raise AssetError(denied)
     problem = fileio.check_manifest(dest) if dest.exists() else "not built yet"
     if problem is None:
         return dest
-    if denied := write_access_problem(dest):
+    if denied := write_access_problem(dest, builder):
         raise AssetError(f"{dest} must be built ({problem}), but {denied}")
     with fileio.file_lock(dest.parent / f".{dest.name}.lock"):  # then check again: another process may have built it
         problem = fileio.check_manifest(dest) if dest.exists() else "not built yet"

@@ -129,7 +129,9 @@ def test_inconsistent_manifest_in_a_read_only_cache_names_the_fix(tmp_path, monk
     dest = tmp_path / "entry"
     assets.cached_build(dest, build, source="test")
     _edit_manifest(_drop_sha)(dest)
-    monkeypatch.setattr(assets, "write_access_problem", lambda d: "cache X is not writable: run `labkit prepare`")
+    monkeypatch.setattr(
+        assets, "write_access_problem", lambda d, builder="": "cache X is not writable: run `labkit prepare`"
+    )
     with pytest.raises(assets.AssetError, match="has no SHA-256.*labkit prepare"):
         assets.cached_build(dest, build, source="test")
     assert len(calls) == 1
@@ -258,6 +260,10 @@ def test_an_entry_to_build_in_a_read_only_cache_is_a_clear_error(tmp_path, monke
     with pytest.raises(assets.AssetError, match=re.escape(expected + "ask the instructor")):
         assets.cached_build(tmp_path / "entry", build, source="test")
     assert calls == [] and list(tmp_path.iterdir()) == []  # no lock file, no temporary directory
+    with pytest.raises(assets.AssetError, match=re.escape("ask the instructor to run lab 07 for this cache")):
+        assets.cached_build(
+            tmp_path / "entry", build, source="test", builder="lab 07"
+        )  # what builds it, if not prepare
 
 
 def test_an_unreadable_entry_names_the_file_and_the_fix(tmp_path, monkeypatch):

@@ -64,7 +64,12 @@ def quantize_model_cached(
         (tmp / META).write_text(json.dumps(meta, indent=1))
         built.append(True)
 
-    assets.cached_build(dest, build, source=f"labkit.quant.cache ({method}, {cfg.label()})")
+    assets.cached_build(
+        dest,
+        build,
+        source=f"labkit.quant.cache ({method}, {cfg.label()})",
+        builder=f"the quantization that writes it ({method}, {cfg.label()}; `labkit prepare` does not)",
+    )
     return _load(dest, model, cfg), not built
 
 
