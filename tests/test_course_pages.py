@@ -6,9 +6,8 @@ Every local link resolves (the file, and for a Markdown file the heading anchor 
 and well formed, an arXiv one the abstract page; the glossary is alphabetical under a letter index, and each entry
 names the lab that defines it, whose markdown really uses the term; the reading list has a section per lab, in lab
 order, each entry with a link and what to read. The labs' side: each term is linked where the course first uses it,
-and each lab ends with a pointer to its reading-list section — both written into the labs by one script, so those two
-tests are expected to fail until it has run (xfail, strict: they fail loudly once the links are in and the marks are
-not removed). Each check is a function returning its problems, run on the real pages and on planted faults."""
+and each lab ends with a pointer to its reading-list section (a new term or lab needs its link written where the term
+first appears). Each check is a function returning its problems, run on the real pages and on planted faults."""
 
 from __future__ import annotations
 
@@ -315,12 +314,10 @@ def test_the_labs_links_to_the_pages_resolve():
     assert lab_link_problems(labs()) == []
 
 
-@pytest.mark.xfail(strict=True, reason="links applied by the lead (link_terms.py)")
 def test_each_term_is_linked_where_the_course_first_uses_it():
     assert unlinked_first_uses((LABS_DIR / "glossary.md").read_text(encoding="utf-8"), labs()) == []
 
 
-@pytest.mark.xfail(strict=True, reason="links applied by the lead (link_terms.py)")
 def test_each_lab_ends_with_a_pointer_to_its_reading_list():
     assert missing_reading_pointers(labs()) == []
 
