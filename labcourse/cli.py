@@ -27,25 +27,39 @@ CLASS_DEFAULTS = {
 }
 
 
+def _merged(base: dict, extra: dict) -> dict:
+    """`base` with `extra` laid over it, objects merged key by key as JupyterLab merges overrides."""
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 def _class_settings(dest: Path) -> Path:
-    """JupyterLab's application settings folder for class: the installation's own (if any) with CLASS_DEFAULTS
-    added to its overrides.json, written to `dest`."""
+    """JupyterLab's application settings folder for class: a copy of the installation's own (if any, overrides.d/
+    included) with CLASS_DEFAULTS merged into its overrides.json, written to `dest`. An installation overrides.json
+    that is not a JSON object is named in a warning and left out, as JupyterLab itself would go on without it."""
     import json
 
     from jupyterlab.commands import get_app_dir
 
     installed = Path(get_app_dir()) / "settings"
-    dest.mkdir(parents=True, exist_ok=True)
-    overrides = {}
+    overrides: dict = {}
     if installed.is_dir():
-        for path in installed.iterdir():
-            if path.is_file() and path.name != "overrides.json":
-                shutil.copy2(path, dest / path.name)
-        if (installed / "overrides.json").is_file():
-            overrides = json.loads((installed / "overrides.json").read_text(encoding="utf-8"))
-    for plugin, values in CLASS_DEFAULTS.items():
-        overrides[plugin] = {**overrides.get(plugin, {}), **values}
-    fileio.atomic_write_text(dest / "overrides.json", json.dumps(overrides, indent=1))
+        shutil.copytree(installed, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns("overrides.json"))
+        path = installed / "overrides.json"
+        if path.is_file():
+            try:
+                loaded = json.loads(path.read_text(encoding="utf-8"))
+                problem = None if isinstance(loaded, dict) else f"a JSON {type(loaded).__name__}, not an object"
+            except (OSError, ValueError) as err:
+                loaded, problem = None, str(err)
+            if problem:
+                print(f"labcourse lab: {path} is left out: {problem}", file=sys.stderr)
+            else:
+                overrides = loaded
+    dest.mkdir(parents=True, exist_ok=True)
+    fileio.atomic_write_text(dest / "overrides.json", json.dumps(_merged(overrides, CLASS_DEFAULTS), indent=1))
     return dest
 
 

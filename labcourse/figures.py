@@ -197,16 +197,21 @@ def _newest_matching(found: list[tuple[Path, dict[str, Any]]], selector: str, na
 
 
 def lab_header(path: Path) -> dict[str, str]:
-    """What a lab's first cell says of it, for the start page: its `title` (the heading after "Lab NN — ") and the
-    labs it `needs` (every two-digit lab number on its **Prerequisites:** line, or "none"); each only if present."""
-    cells = json.loads(as_path("path", path).read_text(encoding="utf-8")).get("cells") or [{}]
-    source = cells[0].get("source", "") if isinstance(cells[0], dict) else ""
+    """What a lab's first markdown cell says of it, for the start page: its `title` (the heading after "Lab NN — ")
+    and the labs it `needs` (the numbers after "lab"/"labs" in its **Prerequisites:** paragraph, or "none"); each
+    only if present."""
+    cells = json.loads(as_path("path", path).read_text(encoding="utf-8")).get("cells") or []
+    first = next((c for c in cells if isinstance(c, dict) and c.get("cell_type") == "markdown"), {})
+    source = first.get("source", "")
     text = "".join(source) if isinstance(source, list) else str(source)
     found = {}
     if heading := re.search(r"^# (?:Lab \d+ — )?(.+)$", text, re.MULTILINE):
         found["title"] = heading.group(1).strip()
-    if needs := re.search(r"^\*\*Prerequisites:\*\*(.*)$", text, re.MULTILINE):
-        found["needs"] = ", ".join(sorted(set(re.findall(r"\b(\d\d)\b", needs.group(1))))) or "none"
+    if needs := re.search(r"^\*\*Prerequisites:\*\*(.*?)(?:\n\s*\n|\Z)", text, re.MULTILINE | re.DOTALL):
+        plain = re.sub(r"\([^()]*\)", "", needs.group(1))  # "labs 00 (perplexity) and 03": the asides out
+        runs = re.findall(r"\blabs?\s+(\d\d(?:\s*(?:,|and|or)\s*\d\d)*)", plain)
+        numbers = sorted({n for run in runs for n in re.findall(r"\d\d", run)})
+        found["needs"] = ", ".join(numbers) or "none"
     return found
 
 

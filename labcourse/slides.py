@@ -256,8 +256,9 @@ def render_deck(path: str | Path) -> tuple[str, int]:
 
 
 def write_decks(notebooks: Iterable[str | Path], output: str | Path) -> dict[Path, int]:
-    """Write `<output>/<name>.slides.html` for each notebook, with the reveal.js and MathJax it loads beside it, and
-    return each deck's number of slides. Every deck is made before any file is written: bad input writes nothing."""
+    """Write `<output>/<name>.slides.html` for each notebook, with the reveal.js and MathJax it loads and the course
+    pages it links (the `*.md` beside the notebooks) beside it, and return each deck's number of slides. Every deck
+    is made before any file is written: bad input writes nothing."""
     reveal, mathjax = _assets(REVEAL), _assets(MATHJAX)
     notebooks, output = [Path(p) for p in notebooks], Path(output)
     if not notebooks:
@@ -273,6 +274,8 @@ def write_decks(notebooks: Iterable[str | Path], output: str | Path) -> dict[Pat
         else:
             shutil.copyfile(source, target)
     shutil.copytree(mathjax, output / "mathjax", dirs_exist_ok=True)
+    for page in {q for p in notebooks for q in p.parent.glob("*.md")}:  # what the decks link: glossary, reading list
+        fileio.atomic_write_text(output / page.name, page.read_text(encoding="utf-8"))
     for path, (html, _) in decks.items():
         fileio.atomic_write_text(path, html)
     return {path: count for path, (_, count) in decks.items()}

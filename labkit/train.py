@@ -94,7 +94,7 @@ def as_batch(item: Any, device: torch.device) -> dict[str, torch.Tensor]:
 def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor], policy: precision.Policy) -> torch.Tensor:
     """Summed cross-entropy over the batch's target tokens (positions with target -100 are skipped). A transformers
     model is told to build no KV cache: training never reads one (and with checkpointing transformers warns)."""
-    inner = getattr(model, "module", model)  # DDP and DataParallel wrap the model
+    inner = model.module if isinstance(model, (nn.DataParallel, DistributedDataParallel)) else model
     no_cache = {"use_cache": False} if hasattr(getattr(inner, "config", None), "use_cache") else {}
     with policy.autocast():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), **no_cache).logits

@@ -68,15 +68,16 @@ def test_lab_server_answers_on_its_port(tmp_path):
     assert not any(c.get("outputs") for c in served.cells)  # the student build, not the solved notebook
 
 
-def test_class_settings_add_the_course_defaults_to_the_installations_own(tmp_path, monkeypatch):
+def test_class_settings_add_the_course_defaults_to_the_installations_own(tmp_path, monkeypatch, capsys):
     installed = tmp_path / "app" / "settings"
-    installed.mkdir(parents=True)
+    (installed / "overrides.d").mkdir(parents=True)
     (installed / "page_config.json").write_text('{"disabledExtensions": {"x": true}}')
+    (installed / "overrides.d" / "site.json").write_text('{"@x/y:z": {"a": 1}}')
     (installed / "overrides.json").write_text(
         json.dumps(
             {
                 "@jupyterlab/apputils-extension:themes": {"theme": "JupyterLab Dark"},
-                "@jupyterlab/docmanager-extension:plugin": {"autosave": False},
+                "@jupyterlab/docmanager-extension:plugin": {"autosave": False, "defaultViewers": {"csv": "CSVTable"}},
             }
         )
     )
@@ -87,11 +88,17 @@ def test_class_settings_add_the_course_defaults_to_the_installations_own(tmp_pat
         "@jupyterlab/apputils-extension:themes": {"theme": "JupyterLab Dark"},
         "@jupyterlab/docmanager-extension:plugin": {
             "autosave": False,
-            "defaultViewers": {"markdown": "Markdown Preview"},
+            "defaultViewers": {"csv": "CSVTable", "markdown": "Markdown Preview"},  # merged key by key
         },
         "@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": False},
     }
     assert (dest / "page_config.json").read_text() == (installed / "page_config.json").read_text()
+    assert (dest / "overrides.d" / "site.json").is_file()  # a site's or a package's overrides stay
+    for broken in ("{not json", "[1, 2]"):  # JupyterLab starts without such a file; so does the course
+        (installed / "overrides.json").write_text(broken)
+        overrides = json.loads((cli._class_settings(tmp_path / "again") / "overrides.json").read_text())
+        assert overrides == cli.CLASS_DEFAULTS
+        assert "overrides.json is left out" in capsys.readouterr().err
 
 
 def test_lab_opens_the_start_page_with_the_class_settings(tmp_path, monkeypatch):

@@ -310,6 +310,14 @@ def test_every_lab_has_a_reading_section_with_what_to_read():
     assert reading_problems((LABS_DIR / "reading.md").read_text(encoding="utf-8"), labs()) == []
 
 
+def test_the_pages_links_resolve_in_a_students_working_copy(tmp_path):
+    from labcourse.student import workspace
+
+    workspace(LABS_DIR, tmp_path / "lab")  # what `make lab` serves: JupyterLab's root, nothing above it
+    for page in PAGES:
+        assert local_link_problems((tmp_path / "lab" / page).read_text(encoding="utf-8"), tmp_path / "lab") == []
+
+
 def test_the_labs_links_to_the_pages_resolve():
     assert lab_link_problems(labs()) == []
 

@@ -186,9 +186,14 @@ def test_a_labs_header_gives_its_title_and_the_labs_it_builds_on(tmp_path):
             {"title": "GPTQ", "needs": "00, 06"},
         ),
         ("no heading at all", {}),
+        (  # a wrapped paragraph, an aside in parentheses and a number that is no lab
+            "# Lab 09 — Memory\n\n**Prerequisites:** lab 03 (about 10 minutes), lab 04\n(DDP), and labs 05\nand 06.\n\n"
+            "**Time:** 20 minutes; lab 11 is elsewhere.",
+            {"title": "Memory", "needs": "03, 04, 05, 06"},
+        ),
     ):
-        path.write_text(json.dumps(new_notebook(cells=[new_markdown_cell(first)])))
-        assert figures.lab_header(path) == header
+        path.write_text(json.dumps(new_notebook(cells=[new_code_cell("# setup"), new_markdown_cell(first)])))
+        assert figures.lab_header(path) == header  # read from the first markdown cell, not a code cell before it
 
 
 def test_a_lab_not_written_by_make_execute_is_no_source(tmp_path):

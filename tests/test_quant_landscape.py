@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
+from labkit.models import tiny_llama
 from labkit.quant.awq import awq_model
 from labkit.quant.formats import QuantConfig
 from labkit.quant.landscape import ptq_landscape
@@ -73,6 +76,7 @@ def test_cache_reuses_gptq_and_without_act_order_names_it(tiny, calibration, tmp
         ({"calibration": torch.zeros(2, 64)}, ValueError),  # not token ids
         ({"score": 3.0}, TypeError),
         ({"awq_blocks": 0}, ValueError),
+        ({"awq_blocks": 9}, ValueError),  # the calibration holds 8 windows
         ({"awq_grid": 0}, ValueError),
         ({"act_order": "yes"}, TypeError),
     ],
@@ -82,4 +86,15 @@ def test_bad_input_fails_before_any_method_runs(tiny, calibration, kwargs, error
     args = {"calibration": calibration, "score": lambda m: calls.append(m) or 0.0} | kwargs
     with pytest.raises(error):
         ptq_landscape(tiny, args.pop("calibration"), args.pop("score"), **args)
+    assert not calls
+
+
+def test_a_model_that_nf4_or_awq_cannot_take_fails_before_any_method_runs(tiny, calibration):
+    calls = []
+    no_norm = copy.deepcopy(tiny)
+    no_norm.model.layers[0].input_layernorm = torch.nn.Identity()  # nothing to fold q/k/v's scale into
+    odd = tiny_llama(hidden_size=40, num_heads=4, num_kv_heads=2, intermediate_size=72)  # k_proj: 800 weights
+    for model, group_size, message in ((no_norm, 64, "input_layernorm"), (odd, -1, "blocks of 64")):
+        with pytest.raises(ValueError, match=message):
+            ptq_landscape(model, calibration, lambda m: calls.append(m) or 0.0, group_size=group_size)
     assert not calls

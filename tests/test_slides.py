@@ -198,6 +198,8 @@ def test_a_labs_deck_shows_its_headings_predictions_and_figures(lab_deck):
     images = sum("image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", []))
     assert images >= 1 and sum(u.startswith("data:image/png;base64,") for u in page.images) == images
     assert _input_areas(html) == 0  # no code: the figures show without theirs
+    for page in LAB.parent.glob("*.md"):  # the glossary and reading list the deck links, beside it
+        assert (out / page.name).read_text() == page.read_text()
     assert "$2^{-24}" in html  # math is left to MathJax, which the deck loads from beside it
 
 

@@ -120,7 +120,7 @@ class AWQResult:
     seconds: float = 0.0
 
 
-def _check_scalable(model: nn.Module, cfg: QuantConfig) -> None:
+def check_scalable(model: nn.Module, cfg: QuantConfig) -> None:
     """Refuse, before any scale is folded, a model with no layer to scale, a layer without the operation its scale
     folds into, or a layer width the quantizer's groups do not divide."""
     found = 0
@@ -170,7 +170,7 @@ def awq_model(
     check_int("batch_size", batch_size, minimum=1)
     check_bool("inplace", inplace)
     check_bool("progress", progress)
-    _check_scalable(model, cfg)
+    check_scalable(model, cfg)
     if not inplace:
         model = copy.deepcopy(model)
     result = AWQResult(model)

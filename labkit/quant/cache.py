@@ -68,7 +68,7 @@ def quantize_model_cached(
         dest,
         build,
         source=f"labkit.quant.cache ({method}, {cfg.label()})",
-        builder=f"the quantization that writes it ({method}, {cfg.label()}; `labkit prepare` does not)",
+        builder=f"labkit.quant.quantize_model_cached ({method}, {cfg.label()}; `labkit prepare` does not stage it)",
     )
     return _load(dest, model, cfg), not built
 

@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 from labkit.calibration import check_calibration
-from labkit.quant.awq import GRID, awq_model
+from labkit.quant.awq import GRID, awq_model, check_scalable
 from labkit.quant.cache import quantize_model_cached
 from labkit.quant.formats import QuantConfig
+from labkit.quant.nf4 import BLOCKSIZE as NF4_BLOCKSIZE
 from labkit.quant.nf4 import quantize_model_nf4
 from labkit.quant.whole_model import quantize_model
 from labkit.torchutil import check_bool, check_int, check_module, decoder_linears
@@ -53,17 +54,24 @@ def ptq_landscape(
     if not callable(score):
         raise TypeError(f"score must be a function of a model, got {type(score).__name__}")
     four_bit = QuantConfig(bits=4, group_size=group_size)
-    widths = [linear.in_features for linear in decoder_linears(model).values()]
+    linears = decoder_linears(model)
+    widths = [linear.in_features for linear in linears.values()]
     if not widths:
         raise ValueError(f"no nn.Linear inside the decoder blocks of {type(model).__name__}: nothing to quantize")
     for width in widths:
         four_bit.width(width)  # a group size that does not fit fails here, before any method runs
     if calibration.numel() < max(widths):
         raise ValueError(f"GPTQ needs at least {max(widths)} calibration tokens, got {calibration.numel()}")
+    for name, linear in linears.items():
+        if linear.weight.numel() % NF4_BLOCKSIZE:
+            raise ValueError(f"{name}: {linear.weight.numel()} weights do not fill NF4's blocks of {NF4_BLOCKSIZE}")
+    check_scalable(model, four_bit)  # AWQ-style scaling needs Llama-style blocks: refused here, not after three methods
     check_bool("act_order", act_order)
     check_bool("cache", cache)
     awq_blocks = calibration.shape[0] if awq_blocks is None else awq_blocks
     check_int("awq_blocks", awq_blocks, minimum=1)
+    if awq_blocks > calibration.shape[0]:
+        raise ValueError(f"awq_blocks={awq_blocks}, but the calibration holds {calibration.shape[0]} windows")
     check_int("awq_grid", awq_grid, minimum=1)
     gptq_cfg = QuantConfig(bits=4, group_size=group_size, act_order=act_order)
     return _points(model, calibration[:awq_blocks], calibration, score, four_bit, gptq_cfg, awq_grid, cache)
