@@ -153,3 +153,14 @@ def test_two_ranks_on_a_one_gpu_node_use_the_cpu(monkeypatch, capsys):
         assert (rank, world, device.type, dist.get_backend()) == (0, 1, "cpu", "gloo")
     assert not dist.is_initialized()
     assert "2 ranks on the CPU with gloo: 1 GPU(s) for 2 ranks" in capsys.readouterr().out
+
+
+def test_a_rank_that_dies_without_a_traceback_is_named_by_its_last_words(tmp_path):
+    log = [f"step {i}\n" for i in range(60)]
+    log[5] = "terminate called after throwing an instance of 'gloo::IoException'\n"
+    with pytest.raises(launch.RankError) as err:
+        launch._rank_results(tmp_path, "job.py", 1, log)
+    assert "gloo::IoException" in str(err.value) and "step 59" in str(err.value) and "step 4\n" not in str(err.value)
+    with pytest.raises(launch.RankError) as err:
+        launch._rank_results(tmp_path, "job.py", 1, log[6:])
+    assert "the crash" not in str(err.value)

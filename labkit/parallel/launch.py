@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -236,14 +237,19 @@ def _run_job(
     return code, lines
 
 
+CRASH = re.compile(r"terminate called|what\(\):|Fatal Python error|Segmentation fault|Aborted")
+
+
 def _rank_results(out: Path, name: str, code: int, lines: list[str]) -> list[dict[str, Any]]:
     """Each rank's saved result, in rank order; a RankError with the first failing rank's traceback, or with the
     end of the log when the job failed before a rank could write one."""
     errors = sorted(out.glob("error_rank*.txt"))
     if errors:
         raise RankError(f"{errors[0].stem.replace('error_', '')} of {name} failed:\n{errors[0].read_text()}")
-    if code != 0:
-        raise RankError(f"{name} exited with {code}; last output:\n" + "".join(lines[-30:]))
+    if code != 0:  # a rank that died in C++ (an abort in gloo, say) wrote no traceback: its last words are earlier
+        crash = [line for line in lines[:-30] if CRASH.search(line)][:10]
+        said = "the crash, earlier in the log:\n" + "".join(crash) + "...\n" if crash else ""
+        raise RankError(f"{name} exited with {code}; {said}last output:\n" + "".join(lines[-30:]))
     return [
         json.loads(p.read_text())
         for p in sorted(out.glob("result_rank*.json"), key=lambda p: int(p.stem.removeprefix("result_rank")))
