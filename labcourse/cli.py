@@ -130,13 +130,19 @@ def _say(text: str) -> None:
         silence_stdout()
 
 
+def _given_or_every_lab(notebooks: list[Path], what: str) -> list[Path]:
+    """The notebooks named on the command line, else every lab in labs/; an error naming `what` if there are none."""
+    found = notebooks or sorted(LABS_DIR.glob("[0-9][0-9]_*.ipynb"))
+    if not found:
+        raise FileNotFoundError(f"no labs in {LABS_DIR}: name the notebooks to {what}")
+    return found
+
+
 def _execute(args: argparse.Namespace) -> int:
     from labcourse.execute import check_options, execute
     from labkit import profiles
 
-    notebooks = args.notebooks or sorted(LABS_DIR.glob("[0-9][0-9]_*.ipynb"))
-    if not notebooks:
-        raise FileNotFoundError(f"no labs in {LABS_DIR}: name the notebooks to run")
+    notebooks = _given_or_every_lab(args.notebooks, "run")
     profile = args.profile or profiles.get_profile().name  # $LABKIT_PROFILE, else auto-detected
     check_options(profile, args.timeout)
     written, failed = [], []
@@ -184,10 +190,7 @@ def _student(args: argparse.Namespace) -> int:
 def _slides(args: argparse.Namespace) -> int:
     from labcourse.slides import write_decks
 
-    notebooks = args.notebooks or sorted(LABS_DIR.glob("[0-9][0-9]_*.ipynb"))
-    if not notebooks:
-        raise FileNotFoundError(f"no labs in {LABS_DIR}: name the notebooks to make decks of")
-    for path, count in write_decks(notebooks, args.output).items():
+    for path, count in write_decks(_given_or_every_lab(args.notebooks, "make decks of"), args.output).items():
         print(f"{path}: {count} slides")
     return 0
 

@@ -17,7 +17,7 @@ from labkit.quant.cache import quantize_model_cached
 from labkit.quant.formats import QuantConfig
 from labkit.quant.nf4 import BLOCKSIZE as NF4_BLOCKSIZE
 from labkit.quant.nf4 import quantize_model_nf4
-from labkit.quant.whole_model import quantize_model
+from labkit.quant.whole_model import check_full_rank, quantize_model
 from labkit.torchutil import check_bool, check_int, check_module, decoder_linears
 
 
@@ -60,8 +60,7 @@ def ptq_landscape(
         raise ValueError(f"no nn.Linear inside the decoder blocks of {type(model).__name__}: nothing to quantize")
     for width in widths:
         four_bit.width(width)  # a group size that does not fit fails here, before any method runs
-    if calibration.numel() < max(widths):
-        raise ValueError(f"GPTQ needs at least {max(widths)} calibration tokens, got {calibration.numel()}")
+    check_full_rank(calibration.numel(), max(widths))
     for name, linear in linears.items():
         if linear.weight.numel() % NF4_BLOCKSIZE:
             raise ValueError(f"{name}: {linear.weight.numel()} weights do not fill NF4's blocks of {NF4_BLOCKSIZE}")

@@ -104,17 +104,22 @@ def _quantizable_linears(model: nn.Module, cfg: QuantConfig) -> list[nn.Linear]:
     return list(linears.values())
 
 
+def check_full_rank(tokens: int, widest: int) -> None:
+    """Refuse fewer calibration tokens than the widest layer has inputs: its input Hessian would be singular."""
+    if tokens < widest:
+        raise ValueError(
+            f"{tokens} calibration tokens are too few: a layer with {widest} inputs needs at "
+            f"least {widest} for a full-rank Hessian (GPTQ used 128 x 2048)"
+        )
+
+
 def _calibration_tokens(model: nn.Module, calibration: torch.Tensor | None, linears: list[nn.Linear]) -> int:
     """How many calibration tokens GPTQ gets: an error below a full-rank Hessian for the widest layer, a warning
     below TOKENS_PER_INPUT per input."""
     check_calibration(model, calibration, "GPTQ")
     tokens = calibration.numel()
     widest = max(m.in_features for m in linears)
-    if tokens < widest:
-        raise ValueError(
-            f"{tokens} calibration tokens are too few: a layer with {widest} inputs needs at "
-            f"least {widest} for a full-rank Hessian (GPTQ used 128 x 2048)"
-        )
+    check_full_rank(tokens, widest)
     if tokens < TOKENS_PER_INPUT * widest:
         warnings.warn(
             f"{tokens} calibration tokens for a layer with {widest} inputs: under "
