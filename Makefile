@@ -14,6 +14,9 @@
 #                            the machine it ran on (a lab that fails is left as it was, its partial run and kernel log
 #                            in build/execute/, and the next one runs; the exit status is 0 only if every lab was written)
 #   make execute EXECUTE_ARGS="--profile cpu labs/06_magnitude_pruning.ipynb"   (one lab, a chosen profile)
+#   make execute EXECUTE_ARGS="--core labs/06_magnitude_pruning.ipynb"   (the core path alone, deep dives skipped,
+#                            written to build/core/; the lab stays as it was)
+#   LABCOURSE_CORE=1 make lab   JupyterLab whose Run All takes each lab's core path (deep-dive cells print one line)
 #   make figures             render the README's measured table from results/ and the executed labs
 #                            (docs/measured.md is its template: every figure names its source)
 #   make student             write build/student/: the labs with exercise solutions stubbed

@@ -150,16 +150,17 @@ def _execute(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         _say(f"{Path(path).name}: running under profile {profile!r} ...")
         try:
-            dropped = execute(path, profile, timeout=args.timeout)
+            dropped = execute(path, profile, timeout=args.timeout, core_only=args.core)
         except (ValueError, OSError, RuntimeError) as err:  # missing, malformed, or its run stopped short
             failed.append(Path(path).name)
             print(f"labcourse execute: {one_line(err)}", file=sys.stderr, flush=True)
             continue
         written.append(Path(path).name)
-        _say(f"{Path(path).name}: written back after {time.perf_counter() - start:.0f} s")
+        where = f"written to build/core/{Path(path).name}" if args.core else "written back"
+        _say(f"{Path(path).name}: {where} after {time.perf_counter() - start:.0f} s")
         for line in dropped:
             _say(f"  dropped {line}")
-    _say(f"written back: {', '.join(written) or 'none'}")
+    _say(f"{'core path run' if args.core else 'written back'}: {', '.join(written) or 'none'}")
     if failed:
         _say(f"failed (left as they were): {', '.join(failed)}")
     return 1 if failed else 0
@@ -242,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("notebooks", nargs="*", type=Path, help="the notebooks (default: every lab in labs/)")
     p.add_argument("--profile", choices=("smoke", "cpu", "gpu"), help="default: $LABKIT_PROFILE, else auto-detected")
     p.add_argument("--timeout", type=int, default=7200, help="seconds per cell (default: %(default)s)")
+    p.add_argument(
+        "--core",
+        action="store_true",
+        help="the core path alone (deep-dive cells skipped), written to build/core/; the labs stay as they were",
+    )
     p.set_defaults(func=_execute)
     p = sub.add_parser(
         "figures",

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from labcourse import core
 from labkit import fileio, profiles
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
@@ -168,13 +169,20 @@ def _why_stopped(err: Exception, cell: int | str, timeout: int | None) -> str:
 
 
 def execute(
-    path: str | Path, profile: str, *, timeout: int | None = None, failed_dir: str | Path = "build/execute"
+    path: str | Path,
+    profile: str,
+    *,
+    timeout: int | None = None,
+    failed_dir: str | Path = "build/execute",
+    core_only: bool = False,
+    core_dir: str | Path = "build/core",
 ) -> list[str]:
     """Execute the notebook at `path` under `profile` in a fresh kernel, tidy it, record the fingerprint, and
-    write it back atomically; returns what `tidy` dropped. A run that stops short (a cell raises or times out, the
-    kernel dies or fails to start) raises ExecutionFailed, with its partial run and the kernel's log put in
-    `failed_dir`, and leaves `path` untouched; so does a missing (OSError) or malformed (ValueError) notebook,
-    checked before any kernel starts."""
+    write it back atomically; returns what `tidy` dropped. Every cell runs, whatever $LABCOURSE_CORE says; with
+    `core_only` the deep dives are skipped and the run goes to `core_dir`, leaving `path` as it was. A run that
+    stops short (a cell raises or times out, the kernel dies or fails to start) raises ExecutionFailed, with its
+    partial run and the kernel's log put in `failed_dir`, and leaves `path` untouched; so does a missing (OSError)
+    or malformed (ValueError) notebook, checked before any kernel starts."""
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError
@@ -192,7 +200,12 @@ def execute(
         startup = Path(ipython_dir) / "profile_default" / "startup"
         startup.mkdir(parents=True)
         (startup / "00-text-progress.py").write_text(_TEXT_PROGRESS)
-        kernel_env = {**os.environ, profiles.ENV_VAR: profile, "IPYTHONDIR": ipython_dir}
+        kernel_env = {
+            **os.environ,
+            profiles.ENV_VAR: profile,
+            core.ENV_VAR: "1" if core_only else "0",
+            "IPYTHONDIR": ipython_dir,
+        }
         resources = {"metadata": {"path": path.parent}}  # the kernel runs in the notebook's folder
         client = NotebookClient(
             nb,
@@ -219,6 +232,9 @@ def execute(
                 ) from err
     dropped = tidy(nb)
     seconds = round(time.perf_counter() - start, 1)  # kernel start to last cell: the lab's time for the guide
-    nb.metadata["labkit"] = {"executed": {**env.fingerprint(profile), "seconds": seconds}}
-    fileio.atomic_write_text(path, nbformat.writes(nb))
+    executed = {**env.fingerprint(profile), "seconds": seconds} | ({"core_only": True} if core_only else {})
+    nb.metadata["labkit"] = {"executed": executed}
+    target = Path(core_dir) / path.name if core_only else path
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fileio.atomic_write_text(target, nbformat.writes(nb))
     return dropped

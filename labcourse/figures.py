@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from labcourse import results
+from labcourse import core, results
 from labkit import fileio
 from labkit.torchutil import as_path, check_int, is_number
 
@@ -196,14 +196,22 @@ def _newest_matching(found: list[tuple[Path, dict[str, Any]]], selector: str, na
     return hits[-1]
 
 
+def read_cells(path: Path) -> list[dict[str, Any]]:
+    """A notebook's cells as stored, each source joined into one string (nbformat keeps lists of lines)."""
+    cells = json.loads(as_path("path", path).read_text(encoding="utf-8")).get("cells") or []
+    cells = [c for c in cells if isinstance(c, dict)]
+    for cell in cells:
+        source = cell.get("source", "")
+        cell["source"] = "".join(source) if isinstance(source, list) else str(source)
+    return cells
+
+
 def lab_header(path: Path) -> dict[str, str]:
     """What a lab's first markdown cell says of it, for the start page: its `title` (the heading after "Lab NN — ")
     and the labs it `needs` (the numbers after "lab"/"labs" in its **Prerequisites:** paragraph, or "none"); each
     only if present."""
-    cells = json.loads(as_path("path", path).read_text(encoding="utf-8")).get("cells") or []
-    first = next((c for c in cells if isinstance(c, dict) and c.get("cell_type") == "markdown"), {})
-    source = first.get("source", "")
-    text = "".join(source) if isinstance(source, list) else str(source)
+    first = next((c for c in read_cells(path) if c.get("cell_type") == "markdown"), {})
+    text = first.get("source", "")
     found = {}
     if heading := re.search(r"^# (?:Lab \d+ — )?(.+)$", text, re.MULTILINE):
         found["title"] = heading.group(1).strip()
@@ -247,6 +255,10 @@ class Sources:
                     f"{name}: {link}: metadata.labkit.executed is a {type(executed).__name__}, not an object"
                 )
             figures: dict[str, Any] = {"executed seconds": executed.get("seconds")}  # `make execute`'s whole run
+            try:  # the core path's share of that run: its cells' recorded times, the deep dives' left out
+                figures["core seconds"], figures["deep-dive seconds"] = core.split_seconds(read_cells(nb))
+            except ValueError:
+                pass  # a cell without its recorded time (not run by nbclient): the two figures are absent
             figures |= lab_header(nb)
             for payload in payloads:
                 if not isinstance(payload.get("figures", {}), dict):

@@ -226,3 +226,27 @@ def test_a_closed_output_pipe_does_not_stop_the_command(tmp_path):
     assert done.stderr == "labcourse execute: bad.ipynb is not a notebook: it has no nbformat field\n"
     for name in ("a", "b"):
         assert nbformat.read(str(tmp_path / f"{name}.ipynb"), as_version=4).cells[0].outputs[0].text == f"{name} ran\n"
+
+
+CORE_LAB = [
+    "from labcourse import core\ncore.follow()",
+    "# Deep dive: a slow part\nslow = True",
+    "print('slow' in globals())",
+]
+
+
+@pytest.mark.parametrize("core_only", [False, True])
+def test_the_core_switch_skips_deep_dives_and_writes_elsewhere_whatever_the_environment_says(
+    tmp_path, monkeypatch, core_only
+):
+    monkeypatch.setenv("LABCOURSE_CORE", "0" if core_only else "1")  # the argument decides, not the environment
+    path = tmp_path / "99_lab.ipynb"
+    before = write_lab(path, CORE_LAB)
+    execute.execute(path, "smoke", timeout=120, core_only=core_only, core_dir=tmp_path / "core")
+    written = tmp_path / "core" / path.name if core_only else path
+    nb = nbformat.read(str(written), as_version=4)
+    assert nb.cells[2].outputs[0].text == f"{not core_only}\n"
+    assert ("deep dive skipped" in "".join(o.get("text", "") for o in nb.cells[1].outputs)) is core_only
+    assert nb.metadata["labkit"]["executed"].get("core_only", False) is core_only
+    if core_only:
+        assert path.read_text() == before  # the lab itself is left as it was
