@@ -23,16 +23,18 @@ def core_only() -> bool:
     return os.environ.get(ENV_VAR, "").strip().lower() in {"1", "true", "yes"}
 
 
+def _first_line(source: str) -> str:
+    return next((line.strip() for line in source.splitlines() if line.strip()), "")
+
+
 def is_deep_dive(source: str) -> bool:
     """Whether a code cell's source belongs to a deep dive: its first non-blank line starts with `# Deep dive`."""
-    first = next((line.strip() for line in source.splitlines() if line.strip()), "")
-    return first.startswith(MARKER)
+    return _first_line(source).startswith(MARKER)
 
 
 def what(source: str) -> str:
     """What a deep-dive cell adds, from its marker line (`# Deep dive: the 3-bit table` gives 'the 3-bit table')."""
-    first = next(line.strip() for line in source.splitlines() if line.strip())
-    return first[len(MARKER) :].lstrip(" :—-") or "a deep dive"
+    return _first_line(source)[len(MARKER) :].lstrip(" :—-") or "a deep dive"
 
 
 def skip_deep_dives(lines: list[str]) -> list[str]:
@@ -70,13 +72,9 @@ def cell_seconds(cell: Any) -> float | None:
     return (ended - began).total_seconds()
 
 
-def _source(cell: Any) -> str:
-    source = cell.get("source", "")
-    return "".join(source) if isinstance(source, list) else str(source)
-
-
 def split_seconds(cells: list[Any]) -> tuple[float, float]:
-    """(core, deep-dive) seconds of an executed notebook's code cells; ValueError naming a cell without timing."""
+    """(core, deep-dive) seconds of an executed notebook's code cells, their sources joined into strings (as
+    `figures.read_cells` gives them); ValueError naming a cell without timing."""
     core = deep = 0.0
     for index, cell in enumerate(cells):
         if cell.get("cell_type") != "code":
@@ -84,7 +82,7 @@ def split_seconds(cells: list[Any]) -> tuple[float, float]:
         seconds = cell_seconds(cell)
         if seconds is None:
             raise ValueError(f"cell {index} has no recorded run time: the notebook was not executed by nbclient")
-        if is_deep_dive(_source(cell)):
+        if is_deep_dive(cell.get("source", "")):
             deep += seconds
         else:
             core += seconds

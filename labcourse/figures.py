@@ -210,7 +210,11 @@ def lab_header(path: Path) -> dict[str, str]:
     """What a lab's first markdown cell says of it, for the start page: its `title` (the heading after "Lab NN — ")
     and the labs it `needs` (the numbers after "lab"/"labs" in its **Prerequisites:** paragraph, or "none"); each
     only if present."""
-    first = next((c for c in read_cells(path) if c.get("cell_type") == "markdown"), {})
+    return _header(read_cells(path))
+
+
+def _header(cells: list[dict[str, Any]]) -> dict[str, str]:
+    first = next((c for c in cells if c.get("cell_type") == "markdown"), {})
     text = first.get("source", "")
     found = {}
     if heading := re.search(r"^# (?:Lab \d+ — )?(.+)$", text, re.MULTILINE):
@@ -255,11 +259,12 @@ class Sources:
                     f"{name}: {link}: metadata.labkit.executed is a {type(executed).__name__}, not an object"
                 )
             figures: dict[str, Any] = {"executed seconds": executed.get("seconds")}  # `make execute`'s whole run
+            cells = read_cells(nb)
             try:  # the core path's share of that run: its cells' recorded times, the deep dives' left out
-                figures["core seconds"], figures["deep-dive seconds"] = core.split_seconds(read_cells(nb))
+                figures["core seconds"], figures["deep-dive seconds"] = core.split_seconds(cells)
             except ValueError:
                 pass  # a cell without its recorded time (not run by nbclient): the two figures are absent
-            figures |= lab_header(nb)
+            figures |= _header(cells)
             for payload in payloads:
                 if not isinstance(payload.get("figures", {}), dict):
                     raise FigureError(f"{name}: {link} published 'figures' that are not an object: {payload}")

@@ -94,14 +94,6 @@ def test_expected_check_lists_a_deep_dive_figure_as_skipped_only_on_the_core_pat
     assert "its deep dive was skipped (LABCOURSE_CORE=1)" in capsys.readouterr().out
 
 
-def _cells(path: Path) -> list[dict]:
-    cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
-    for cell in cells:
-        source = cell.get("source", "")
-        cell["source"] = "".join(source) if isinstance(source, list) else source
-    return cells
-
-
 def _names(source: str) -> tuple[set[str], set[str]]:
     """(bound, read) names of a cell: every name stored, defined or imported, and every name loaded."""
     code = "\n".join(line for line in source.splitlines() if not line.lstrip().startswith(("%", "!")))
@@ -124,7 +116,7 @@ def _names(source: str) -> tuple[set[str], set[str]]:
 @pytest.mark.parametrize("path", LABS, ids=lambda p: p.name[:2])
 def test_deep_dives_sit_under_their_headings_and_the_core_never_reads_them(path):
     heading, core_bound, deep_only, wrong = "", set(dir(builtins)), set(), []
-    for index, cell in enumerate(_cells(path)):
+    for index, cell in enumerate(figures.read_cells(path)):
         if cell["cell_type"] == "markdown":
             heading = (HEADING.findall(cell["source"]) or [heading])[-1]
             continue
@@ -151,7 +143,7 @@ def test_the_committed_cpu_runs_core_path_fits_the_budget(path):
     executed = nb["metadata"].get("labkit", {}).get("executed", {})
     if executed.get("profile") != "cpu":
         pytest.skip(f"{path.name} was last executed under {executed.get('profile')!r}, not the cpu profile")
-    seconds, _ = core.split_seconds(_cells(path))
+    seconds, _ = core.split_seconds(figures.read_cells(path))
     assert seconds <= core.CORE_BUDGET_S, f"{path.name}: the core path ran {seconds:.0f} s, over {core.CORE_BUDGET_S}"
     if path.name.startswith("07"):  # a GPTQ run loaded from the cache would hide minutes of the core's time
         published, _ = figures.Sources(path.parents[1]).get("lab07")
