@@ -59,7 +59,7 @@ def run(schedule_name: str, microbatches: int, args: argparse.Namespace, rank: i
     batch = torch.randint(
         0, 512, (microbatches * args.microbatch_size, args.seq + 1), generator=torch.Generator().manual_seed(1)
     ).to(device)
-    x, y = batch[:, :-1], batch[:, 1:]
+    x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()  # the stage checks strides: a slice would fail on CUDA
 
     def loss_fn(logits, target):
         return F.cross_entropy(logits.flatten(0, 1), target.flatten())
