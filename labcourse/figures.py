@@ -7,6 +7,7 @@ The table's template (`docs/measured.md`) is Markdown with placeholders, each na
     {{bench/pruning_calibrated: runs[method=wanda,sparsity=50%].ppl | ~3}}   a path into that run's JSON
     {{bench/quant_landscape: nf4_parity.labkit_s ÷ nf4_parity.bitsandbytes_s | .2f}}   a ratio (also: a − b)
     {{bench/tokenizer[vocab_size=16384]: train MB/s.0 | .2f}}   the newest run whose figures match
+    {{bench/pruning_speed[machine.profile=gpu]: tokens}}     the newest run made under the gpu profile
     {{bench/make_test: ci_seconds | min}}          a fresh clone's `.ci/run` (tests/durations.py saves it)
 
 After `|` comes a Python format spec, `~N` for N significant digits (thousands separated), or `min` (M min S s).
@@ -189,8 +190,10 @@ def evaluate(figures: dict[str, Any], expression: str, *, by_name: bool) -> Any:
 
 
 def _newest_matching(found: list[tuple[Path, dict[str, Any]]], selector: str, name: str) -> tuple[Path, dict[str, Any]]:
-    wanted = _wanted(selector)
-    hits = [(p, r) for p, r in found if _matches(r["figures"], wanted)]
+    wanted = _wanted(selector)  # `machine.<field>` keys match the run's machine (profile, cpu), the rest its figures
+    on_machine = {k.removeprefix("machine."): v for k, v in wanted.items() if k.startswith("machine.")}
+    on_figures = {k: v for k, v in wanted.items() if not k.startswith("machine.")}
+    hits = [(p, r) for p, r in found if _matches(r["figures"], on_figures) and _matches(r["machine"], on_machine)]
     if not hits:
         raise FigureError(f"{name}: no saved run whose figures match [{selector}]")
     return hits[-1]

@@ -220,3 +220,19 @@ def test_a_benchmark_source_can_pick_the_newest_run_with_given_settings(tmp_path
     )
     with pytest.raises(figures.FigureError, match=r"no saved run whose figures match \[vocab_size=8\]"):
         figures.render_line("{{bench/tok[vocab_size=8]: documents}}", figures.Sources(root))
+
+
+def test_a_benchmark_source_can_pick_the_newest_run_made_on_a_kind_of_machine(tmp_path):
+    root = make_repo(tmp_path)
+    runs = (("20261125-000000", "cpu", [], 1.28), ("20261126-000000", "gpu", ["H100"], 0.027))
+    for stamp, profile, gpus, dense in runs:
+        run = root / "results" / "speed" / f"{stamp}-vm.json"
+        run.parent.mkdir(exist_ok=True)
+        machine = {"profile": profile, "gpus": gpus, "date": stamp[:8]}
+        run.write_text(json.dumps({"benchmark": "speed", "machine": machine, "figures": {"dense_s": dense}}))
+    sources = figures.Sources(root)
+    assert figures.render_line("{{bench/speed: dense_s}}", sources) == "0.027"  # the newest, whatever it ran on
+    assert figures.render_line("{{bench/speed[machine.profile=cpu]: dense_s}}", sources) == "1.28"
+    assert figures.render_line("{{bench/speed[machine.profile=gpu,dense_s=0.027]: dense_s}}", sources) == "0.027"
+    with pytest.raises(figures.FigureError, match=r"no saved run whose figures match \[machine.profile=smoke\]"):
+        figures.render_line("{{bench/speed[machine.profile=smoke]: dense_s}}", sources)
