@@ -139,14 +139,14 @@ def _given_or_every_lab(notebooks: list[Path], what: str) -> list[Path]:
 
 
 def _execute(args: argparse.Namespace) -> int:
-    from labcourse.execute import check_options, execute
+    from labcourse.execute import Interrupted, check_options, execute
     from labkit import profiles
 
     notebooks = _given_or_every_lab(args.notebooks, "run")
     profile = args.profile or profiles.get_profile().name  # $LABKIT_PROFILE, else auto-detected
     check_options(profile, args.timeout)
-    written, failed = [], []
-    for path in notebooks:  # every notebook runs, whatever happened to the one before or to stdout
+    written, failed, stopped = [], [], 0
+    for path in notebooks:  # every notebook runs, whatever happened to the one before or to stdout, unless ^C
         start = time.perf_counter()
         _say(f"{Path(path).name}: running under profile {profile!r} ...")
         try:
@@ -154,6 +154,9 @@ def _execute(args: argparse.Namespace) -> int:
         except (ValueError, OSError, RuntimeError) as err:  # missing, malformed, or its run stopped short
             failed.append(Path(path).name)
             print(f"labcourse execute: {one_line(err)}", file=sys.stderr, flush=True)
+            if isinstance(err, Interrupted):  # ^C or SIGTERM: no more notebooks, and the shell's exit status
+                stopped = 128 + err.signum
+                break
             continue
         written.append(Path(path).name)
         where = f"written to build/core/{Path(path).name}" if args.core else "written back"
@@ -163,7 +166,7 @@ def _execute(args: argparse.Namespace) -> int:
     _say(f"{'core path run' if args.core else 'written back'}: {', '.join(written) or 'none'}")
     if failed:
         _say(f"failed (left as they were): {', '.join(failed)}")
-    return 1 if failed else 0
+    return stopped or (1 if failed else 0)
 
 
 def _figures(args: argparse.Namespace) -> int:
@@ -228,11 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_tensorboard)
     p = sub.add_parser(
         "gpu-check",
-        help="on a GPU machine: every lab under the gpu profile and the GPU benchmarks, "
+        help="on a GPU machine: the GPU benchmarks and every lab's core path under the gpu profile (timed), "
         "into one JSON; without CUDA, the CPU-side checks only",
     )
     p.add_argument("--output", "-o", type=Path, default=Path("results/gpu-check.json"))
-    p.add_argument("--no-labs", action="store_true", help="benchmarks only (minutes instead of an hour)")
+    p.add_argument("--no-labs", action="store_true", help="the benchmarks only, no lab")
     p.add_argument("--plan", action="store_true", help="print the steps it would run, and run nothing")
     p.set_defaults(func=_gpu_check)
     p = sub.add_parser(

@@ -2,16 +2,20 @@
 
 One clean pass per notebook: execution counts 1, 2, 3 …; the machine it ran on recorded in the notebook's
 metadata; progress bars saved as their last frame of plain text instead of widgets that GitHub shows frozen at
-0 %; no `[<matplotlib.lines.Line2D …>]` left by a cell's last expression. A lab that fails is not written back:
-its partial run goes to `failed_dir` for reading, and the committed notebook stays as it was.
+0 %; no `[<matplotlib.lines.Line2D …>]` left by a cell's last expression. A lab that fails, or whose run ^C or
+SIGTERM stops, is not written back: its partial run goes to `failed_dir` for reading, and the committed notebook
+stays as it was.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
+import signal
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -109,6 +113,15 @@ class ExecutionFailed(RuntimeError):
     which cell and where the partial run was kept; nbclient's error is its __cause__."""
 
 
+class Interrupted(ExecutionFailed):
+    """A notebook's run stopped by SIGINT or SIGTERM, its partial run kept as for a failure; `signum` is the signal's
+    number (the command exits with 128 + it)."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.signum = signum
+
+
 def _shape_problem(data: Any) -> str | None:
     """What keeps parsed JSON from being a notebook in format 4 before nbformat's schema can say it, or None: nbformat
     itself answers these with an AttributeError, a TypeError or an ImportError."""
@@ -168,6 +181,54 @@ def _why_stopped(err: Exception, cell: int | str, timeout: int | None) -> str:
     return f"the kernel failed ({' '.join(str(err).split())})"  # e.g. it died while starting
 
 
+async def _execute_and_clean_up(client: Any, **kwargs: Any) -> None:
+    """client.async_execute(**kwargs), and a kernel it leaves running shut down: nbclient's clean-up misses one whose
+    start was cancelled."""
+    try:
+        await client.async_execute(**kwargs)
+    finally:
+        if client.km is not None and client.km.has_kernel:
+            await client.km.shutdown_kernel(now=True)
+
+
+def _execute_stoppably(client: Any, **kwargs: Any) -> int | None:
+    """Run client.execute(**kwargs) in a thread of its own, where nbclient cannot set its SIGINT and SIGTERM handlers
+    (which shut the kernel down under the running cell, then crash): here in the main thread, those signals cancel
+    the run instead, its kernel killed. Returns the signal that stopped the run, or None; what the run raised
+    otherwise is raised."""
+    loop = asyncio.new_event_loop()
+    run = loop.create_task(_execute_and_clean_up(client, **kwargs))
+    stopped_by: list[int] = []
+
+    def stop(signum: int, frame: Any) -> None:
+        if not stopped_by:  # once: a second ^C must not cut the kernel's shutdown short
+            stopped_by.append(signum)
+            client.shutdown_kernel = "immediate"
+            loop.call_soon_threadsafe(run.cancel)
+
+    in_main = threading.current_thread() is threading.main_thread()  # only it can set signal handlers
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
+    try:
+        worker = threading.Thread(target=loop.run_until_complete, args=(asyncio.wait([run]),))
+        worker.start()
+        worker.join()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    left = asyncio.all_tasks(loop)  # nbclient's pollers of a cancelled cell: ended as asyncio.run would end them
+    for task in left:
+        task.cancel()
+    if left:
+        loop.run_until_complete(asyncio.wait(left))
+    loop.close()
+    try:
+        run.result()  # what the run raised, unless a signal stopped it
+    except BaseException:
+        if not stopped_by:
+            raise
+    return stopped_by[0] if stopped_by else None
+
+
 def execute(
     path: str | Path,
     profile: str,
@@ -182,7 +243,8 @@ def execute(
     `core_only` the deep dives are skipped and the run goes to `core_dir`, leaving `path` as it was. A run that
     stops short (a cell raises or times out, the kernel dies or fails to start) raises ExecutionFailed, with its
     partial run and the kernel's log put in `failed_dir`, and leaves `path` untouched; so does a missing (OSError)
-    or malformed (ValueError) notebook, checked before any kernel starts."""
+    or malformed (ValueError) notebook, checked before any kernel starts. SIGINT or SIGTERM during the run stops it
+    the same way, raising Interrupted, with the kernel shut down and the previous signal handlers restored."""
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError
@@ -218,18 +280,26 @@ def execute(
         start = time.perf_counter()
         # the kernel's own output (its log, a traceback when it is shut down mid-cell), not the cells': to a file
         with log.open("w", encoding="utf-8") as kernel_output:
+            failure, signum = None, None
             try:
-                client.execute(env=kernel_env, stdout=kernel_output, stderr=kernel_output)
+                signum = _execute_stoppably(client, env=kernel_env, stdout=kernel_output, stderr=kernel_output)
             except (CellExecutionError, CellTimeoutError, RuntimeError) as err:  # RuntimeError: a dead kernel
+                failure = err
+            if failure or signum:
                 partial = Path(failed_dir) / path.name
                 partial.parent.mkdir(parents=True, exist_ok=True)
                 fileio.atomic_write_text(partial, nbformat.writes(nb))
                 fileio.atomic_write_bytes(partial.with_suffix(".kernel.log"), log.read_bytes())
-                why = _why_stopped(err, started[-1] if started else "?", timeout)
-                raise ExecutionFailed(
+                if signum:
+                    where = f"in cell {started[-1]}" if started else "before its first cell"
+                    why = f"interrupted by {signal.Signals(signum).name} {where}"
+                else:
+                    why = _why_stopped(failure, started[-1] if started else "?", timeout)
+                message = (
                     f"{path}: {why} under profile {profile!r}; the partial run is in {partial} (the kernel's log "
                     f"beside it), {path.name} is unchanged"
-                ) from err
+                )
+                raise (Interrupted(message, signum) if signum else ExecutionFailed(message)) from failure
     dropped = tidy(nb)
     seconds = round(time.perf_counter() - start, 1)  # kernel start to last cell: the lab's time for the guide
     executed = {**env.fingerprint(profile), "seconds": seconds} | ({"core_only": True} if core_only else {})

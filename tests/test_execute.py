@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import nbformat
@@ -226,6 +229,79 @@ def test_a_closed_output_pipe_does_not_stop_the_command(tmp_path):
     assert done.stderr == "labcourse execute: bad.ipynb is not a notebook: it has no nbformat field\n"
     for name in ("a", "b"):
         assert nbformat.read(str(tmp_path / f"{name}.ipynb"), as_version=4).cells[0].outputs[0].text == f"{name} ran\n"
+
+
+# cell 0 leaves the kernel's pid, cell 1 a file saying it has started, then sleeps until a signal stops the run
+SLEEPS = [
+    "import os\nopen('kernel.pid', 'w').write(str(os.getpid()))\nprint('first')",
+    "import time\nopen('started', 'w').close()\ntime.sleep(60)",
+    "print('never')",
+]
+
+
+def wait_for(path, seconds=60):
+    """Wait until `path` exists (a cell has written it), at most `seconds`; whether it does."""
+    deadline = time.monotonic() + seconds
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return path.exists()
+
+
+def test_sigterm_stops_the_command_keeping_the_partial_run_and_no_kernel(tmp_path):
+    """A scheduler's time limit (or `timeout`) sends SIGTERM mid-cell: the partial run is kept as for a failed cell,
+    the kernel is gone, the notebooks after it do not run, and the exit status is 128 + 15."""
+    write_lab(tmp_path / "a.ipynb", SLEEPS)
+    write_lab(tmp_path / "b.ipynb", ["print('b ran')"])
+    before = {name: (tmp_path / name).read_bytes() for name in ("a.ipynb", "b.ipynb")}
+    command = [sys.executable, "-m", "labcourse", "execute", "--profile", "smoke", "a.ipynb", "b.ipynb"]
+    with subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as run:
+        try:
+            assert wait_for(tmp_path / "started"), "cell 1 never started"
+            run.send_signal(signal.SIGTERM)
+            sent = time.monotonic()
+            out, err = run.communicate(timeout=10)
+        finally:
+            run.kill()  # a no-op once it has exited
+    assert run.returncode == 143 and time.monotonic() - sent < 5
+    assert err == (
+        "labcourse execute: a.ipynb: interrupted by SIGTERM in cell 1 under profile 'smoke'; the partial run is in "
+        "build/execute/a.ipynb (the kernel's log beside it), a.ipynb is unchanged\n"
+    )
+    assert "b.ipynb" not in out and out.endswith("written back: none\nfailed (left as they were): a.ipynb\n")
+    assert {name: (tmp_path / name).read_bytes() for name in before} == before
+    partial = nbformat.read(str(tmp_path / "build" / "execute" / "a.ipynb"), as_version=4)
+    assert partial.cells[0].outputs[0].text == "first\n" and "execution" in partial.cells[0].metadata
+    assert partial.cells[2].execution_count is None
+    assert (tmp_path / "build" / "execute" / "a.kernel.log").is_file()
+    with pytest.raises(ProcessLookupError):  # the kernel was shut down, not left running without its client
+        os.kill(int((tmp_path / "kernel.pid").read_text()), 0)
+
+
+def test_sigint_to_a_library_call_raises_interrupted_and_leaves_the_signal_handlers_as_they_were(tmp_path):
+    """^C in a caller of execute(), a test among others: the partial run kept, the kernel gone, Interrupted raised,
+    and the caller's own SIGINT handler back in place (it never saw this ^C)."""
+    path = tmp_path / "a.ipynb"
+    write_lab(path, SLEEPS)
+    before = path.read_bytes()
+    missed = []
+
+    def stray(signum, frame):  # takes a ^C that execute's own handler did not
+        missed.append(signum)
+
+    previous = signal.signal(signal.SIGINT, stray)
+    sender = threading.Thread(target=lambda: wait_for(tmp_path / "started") and os.kill(os.getpid(), signal.SIGINT))
+    try:
+        sender.start()
+        with pytest.raises(execute.Interrupted, match="a.ipynb: interrupted by SIGINT in cell 1 under") as stopped:
+            execute.execute(path, "smoke", timeout=20, failed_dir=tmp_path / "failed")
+        sender.join()
+        assert signal.getsignal(signal.SIGINT) is stray and missed == []
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert stopped.value.signum == signal.SIGINT and path.read_bytes() == before
+    assert nbformat.read(str(tmp_path / "failed" / path.name), as_version=4).cells[0].outputs[0].text == "first\n"
+    with pytest.raises(ProcessLookupError):
+        os.kill(int((tmp_path / "kernel.pid").read_text()), 0)
 
 
 CORE_LAB = [
