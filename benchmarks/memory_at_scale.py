@@ -20,7 +20,7 @@ from labcourse import results
 from labkit import activations, bench, precision
 from labkit.models import llama_shape, tiny_llama
 from labkit.parallel import launch, memory
-from labkit.profiles import get_profile
+from labkit.profiles import for_device, get_profile
 
 # gpu-check's steps for this script and the goals its runs measure (labcourse.gpucheck reads these literals)
 GPU_CHECK = [{"name": "sharded memory and checkpointing", "args": [], "timeout_s": 1800}]
@@ -54,7 +54,10 @@ def checkpointing(args: argparse.Namespace, device: torch.device) -> dict[str, d
 
 
 def main() -> None:
-    profile = get_profile()
+    gpus = launch.visible_gpus()
+    ranks = gpus if gpus >= 2 else 2  # one rank per GPU on NCCL; else 2 CPU ranks on gloo
+    # the sizes fit where the ranks run: the cpu profile's when a one-GPU node puts them on the CPU
+    profile = for_device(get_profile(), launch.placement(ranks, gpus).device_type)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vocab", type=int, default=SMOLLM2_VOCAB)
     parser.add_argument("--hidden", type=int, default=profile.scale.hidden)
@@ -65,8 +68,6 @@ def main() -> None:
     parser.add_argument("--results", default="results", help="folder for this run's JSON file")
     args = parser.parse_args()
     device = bench.as_device(None)
-    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
-    ranks = gpus if gpus >= 2 else 2
 
     rows = sharded_memory(args, ranks)
     MiB = 2**20

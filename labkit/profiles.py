@@ -280,6 +280,16 @@ def get_profile(name: str | None = None) -> Profile:
     return PROFILES[key]
 
 
+def for_device(profile: Profile, device_type: str) -> Profile:
+    """The profile whose sizes fit where work runs: the `cpu` profile's for ranks that a `gpu`-profile lab puts on the
+    CPU (a node with fewer GPUs than ranks: `launch.placement`), else `profile` itself. Only the sizes change."""
+    if not isinstance(profile, Profile):
+        raise TypeError(f"profile must be a profiles.Profile (get_profile()), got {type(profile).__name__}")
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"device_type must be 'cpu' or 'cuda' (a launch.Placement's), got {device_type!r}")
+    return PROFILES["cpu"] if profile.name == "gpu" and device_type == "cpu" else profile
+
+
 def describe(profile: Profile) -> str:
     """A short multi-line description of a profile's sizes, section by section, for notebooks and `labkit doctor`."""
     lines = [f"profile {profile.name!r}: {profile.description}"]

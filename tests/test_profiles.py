@@ -48,6 +48,19 @@ def test_sizes_grow_from_smoke_to_gpu():
     assert max(smoke.timing.matmul_sizes) < max(cpu.timing.matmul_sizes) < max(gpu.timing.matmul_sizes)
 
 
+def test_ranks_on_the_cpu_get_the_cpu_sizes_under_the_gpu_profile():
+    gpu, cpu, smoke = (profiles.get_profile(n) for n in ("gpu", "cpu", "smoke"))
+    assert profiles.for_device(gpu, "cpu") is cpu  # two ranks on a one-GPU node: CPU processes, CPU sizes
+    assert profiles.for_device(gpu, "cuda") is gpu
+    assert profiles.for_device(cpu, "cuda") is cpu  # a profile the user chose is kept where it fits
+    assert profiles.for_device(smoke, "cpu") is smoke and profiles.for_device(smoke, "cuda") is smoke
+    assert gpu.train.hidden > cpu.train.hidden  # so the switch changes what the ranks compute
+    with pytest.raises(ValueError, match="'cpu' or 'cuda'"):
+        profiles.for_device(gpu, "gpu")
+    with pytest.raises(TypeError, match="profiles.Profile"):
+        profiles.for_device("gpu", "cpu")
+
+
 def test_describe_lists_every_section_then_its_sizes():
     profile = profiles.PROFILES["cpu"]
     head, *rest = profiles.describe(profile).split("\n")
@@ -93,6 +106,8 @@ def test_gptq_calibration_gives_the_default_model_a_well_conditioned_hessian(nam
 LABS = Path(__file__).resolve().parents[1] / "labs"
 DEFAULT_SHARD_TOKENS = 2**20  # shards.tokenize_to_shards' default: the splits used here fit in one shard
 
+# Labs 04, 05 and 09 give their ranks profiles.for_device(profile, ...): the gpu profile's sizes on GPU ranks, the cpu
+# profile's on CPU ranks; each profile's rows below cover the sizes it gives.
 LAB_LINES = {
     "00_gpu_setup": ["texts = validation[: profile.eval.documents]"],
     "01_data_and_tokenization": [
@@ -119,8 +134,8 @@ LAB_LINES = {
     "04_data_parallelism": [
         'shards.tokenize_to_shards(load_corpus("wiki", "train")[:2000], tokenizer, data_dir,',
         "data_dir, shard_tokens=2**17)",
-        "steps = max(4, profile.train.steps // 2)",
-        "micro = max(1, profile.train.batch_size // 4)",
+        "steps = max(4, rank_profile.train.steps // 2)",
+        "micro = max(1, rank_profile.train.batch_size // 4)",
         "for nproc in (1, 2):",
     ],
     "06_magnitude_pruning": [
@@ -152,8 +167,8 @@ LAB_LINES = {
     "09_memory_at_scale": [
         'shards.tokenize_to_shards(load_corpus("wiki", "train"), tokenizer, data_dir, shard_tokens=2**18)',
         "ranks = gpus if gpus >= 2 else 2",
-        "batch_size, seq = profile.scale.batch, profile.scale.seq",
-        'f"--steps={profile.scale.steps}"',
+        "batch_size, seq = rank_profile.scale.batch, rank_profile.scale.seq",
+        'f"--steps={rank_profile.scale.steps}"',
     ],
 }
 
