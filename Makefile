@@ -22,9 +22,10 @@
 #   make student             write build/student/: the labs with exercise solutions stubbed
 #   make slides              write build/slides/: a reveal.js deck per lab from its executed notebook (headings,
 #                            predictions, figures) that opens offline (reveal.js and MathJax are copied beside it)
-#   make gpu-check           on a GPU machine: every lab under the gpu profile and the GPU benchmarks,
-#                            one JSON naming the device (results/gpu-check.json); no CUDA: CPU checks only
-#   make gpu-check GPU_CHECK_ARGS=--no-labs   (the benchmarks alone, minutes instead of an hour)
+#   make gpu-check           on a GPU machine: the GPU benchmarks and every lab's core path under the gpu profile
+#                            (executed into build/core/, each lab's time saved in results/gpu_labs/), one JSON
+#                            naming the device (results/gpu-check.json); no CUDA: CPU checks only
+#   make gpu-check GPU_CHECK_ARGS=--no-labs   (the benchmarks alone)
 #   make lab VENV=/shared/venv   (use a venv set up once for everyone; it is not reinstalled)
 #
 # torch is installed only when the venv cannot already import it, so a CUDA/ROCm build you

@@ -1,6 +1,7 @@
-"""`labcourse gpu-check`: one command for a GPU machine. Every lab under the gpu profile and the GPU
-benchmarks, each in its own process with a time limit, into one JSON that names the device; without
-CUDA, the CPU-side checks only, and a plain statement that nothing GPU-side was measured."""
+"""`labcourse gpu-check`: one command for a GPU machine. The GPU benchmarks, and every lab's core path under the
+gpu profile (`labcourse execute --core`, its time read from the executed notebook), each in its own process with a
+time limit, into one JSON that names the device; without CUDA, the CPU-side checks only, and a plain statement that
+nothing GPU-side was measured."""
 
 from __future__ import annotations
 
@@ -15,13 +16,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from labcourse import results
-from labkit import assets, bench, env, fileio, precision, profiles
+from labcourse import core, figures, results
+from labkit import assets, bench, env, fileio, precision
 from labkit.parallel import launch
 from labkit.torchutil import as_path, check_bool, check_int
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES_TEST = ROOT / "tests" / "test_profiles.py"  # every profile's sizes against the offline data (seconds)
+LAB_TIMEOUT_S = 1800  # a lab step: one lab's core path under the gpu profile, kernel start included
+CORE_DIR = Path("build/core")  # where `labcourse execute --core` writes a lab's run, under its cwd (gpu-check: ROOT)
+LABS_RUN = "gpu_labs"  # the results run that holds each lab's outcome and core-path seconds
+STOP_GRACE_S = 60  # a step past its limit gets SIGTERM (execute then shuts its kernel down), then SIGKILL after this
 
 # A script under DECLARING declares its own gpu-check steps, and the course goals its runs measure, as module-level
 # literals: gpu-check reads them with ast.literal_eval and never imports the script (the scripts import torch;
@@ -60,6 +65,7 @@ class Step:
     timeout_s: int
     gpus: int = 1
     env: dict[str, str] = field(default_factory=dict)
+    executed: str | None = None  # a lab's: its executed notebook, relative to the cwd, whose core seconds are read
 
 
 @dataclass(frozen=True)
@@ -172,8 +178,9 @@ def goals(root: Path = ROOT) -> dict[str, Goal]:
 
 def plan(gpus: int, runs: Path, root: Path = ROOT) -> list[Step]:
     """The GPU steps for a machine with `gpus` CUDA devices: the steps the scripts declare (GPU_CHECK; benchmarks/,
-    then labs/scripts/, each by file name), each saving its run under `runs` (`results.save_run`), then every lab
-    under the gpu profile. A step that needs more GPUs than there are is kept, to be reported skipped."""
+    then labs/scripts/, each by file name), each saving its run under `runs` (`results.save_run`), then every lab's
+    core path under the gpu profile (`labcourse execute --core`, run from the repository root: the executed
+    notebook lands in build/core/). A step that needs more GPUs than there are is kept, to be reported skipped."""
     check_int("gpus", gpus)
     runs, root = as_path("runs", runs), as_path("root", root)
     py = sys.executable
@@ -186,24 +193,8 @@ def plan(gpus: int, runs: Path, root: Path = ROOT) -> list[Step]:
             command = [*launcher, str(script), "--results", str(runs), *step["args"]]
             steps.append(Step(step["name"], command, step["timeout_s"], gpus=need))
     for notebook in sorted((root / "labs").glob("[0-9][0-9]_*.ipynb")):
-        steps.append(
-            Step(
-                f"lab {notebook.stem}",
-                [
-                    py,
-                    "-m",
-                    "pytest",
-                    "-q",
-                    "-p",
-                    "no:cacheprovider",
-                    "--nbval-lax",
-                    "--nbval-cell-timeout=3600",
-                    str(notebook),
-                ],
-                5400,
-                env={profiles.ENV_VAR: "gpu"},
-            )
-        )
+        command = [py, "-m", "labcourse", "execute", "--profile", "gpu", "--core", str(notebook)]
+        steps.append(Step(f"lab {notebook.stem}", command, LAB_TIMEOUT_S, executed=str(CORE_DIR / notebook.name)))
     return steps
 
 
@@ -239,42 +230,80 @@ def cpu_checks() -> list[dict[str, Any]]:
     return rows
 
 
+def core_seconds(notebook: Path) -> float | None:
+    """The core-path seconds of an executed notebook (the sum of its core cells' run times); None when it cannot be
+    read or a code cell has no recorded run time."""
+    try:
+        return core.split_seconds(figures.read_cells(as_path("notebook", notebook)))[0]
+    except (OSError, ValueError):
+        return None
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    """What tells a file rewritten since (its inode and modification time), or None when there is none."""
+    try:
+        found = path.stat()
+    except OSError:
+        return None
+    return found.st_ino, found.st_mtime_ns
+
+
 def run_step(step: Step, gpus: int, cwd: Path, echo: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run one step; its outcome, time and output tail (a failed or skipped step does not stop the check)."""
+    """Run one step in `cwd`; its outcome, time and output tail (a failed or skipped step does not stop the check).
+    A step past its limit gets SIGTERM (`labcourse execute` then shuts its kernel down, which runs in a session of
+    its own, and keeps the partial run), and SIGKILL STOP_GRACE_S later. A lab step's entry also has `core_seconds`:
+    those of the notebook it executed (`cwd / step.executed`), or None when it did not pass or wrote none."""
     if not isinstance(step, Step):
         raise TypeError(f"step must be a gpucheck.Step (see plan), got {type(step).__name__}")
     check_int("gpus", gpus)
     cwd = as_path("cwd", cwd)
     _check_echo(echo)
+    lab = {} if step.executed is None else {"core_seconds": None}
     if gpus < step.gpus:
         return {
             "step": step.name,
             "status": "skipped",
             "seconds": 0.0,
             "detail": f"needs {step.gpus} GPUs, this machine has {gpus}",
+            **lab,
         }
+    executed = None if step.executed is None else cwd / step.executed
+    before = None if executed is None else _stamp(executed)
     echo(f"--- {step.name}")
     start = time.perf_counter()
-    try:
-        done = subprocess.run(
-            step.command,
-            cwd=cwd,
-            env={**os.environ, **step.env},
-            capture_output=True,
-            text=True,
-            timeout=step.timeout_s,
-        )
-        status, output = ("passed" if done.returncode == 0 else "failed"), done.stdout + done.stderr
-    except subprocess.TimeoutExpired as err:
-        status, output = "timed out", f"{err.stdout or ''}{err.stderr or ''}"
-        output = output.decode(errors="replace") if isinstance(output, bytes) else output
+    with subprocess.Popen(
+        step.command,
+        cwd=cwd,
+        env={**os.environ, **step.env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        errors="replace",
+    ) as process:
+        try:
+            out, err = process.communicate(timeout=step.timeout_s)
+            status = "passed" if process.returncode == 0 else "failed"
+        except subprocess.TimeoutExpired:
+            status = "timed out"
+            process.terminate()
+            try:
+                out, err = process.communicate(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                out, err = process.communicate()
+    output = (out or "") + (err or "")
     seconds = time.perf_counter() - start
-    echo(f"    {status} in {seconds:.0f} s")
-    return {"step": step.name, "status": status, "seconds": seconds, "output_tail": output[-4000:]}
+    if executed is not None and status == "passed" and _stamp(executed) not in (None, before):  # written by this run
+        lab["core_seconds"] = core_seconds(executed)
+    done = {"step": step.name, "status": status, "seconds": seconds, **lab, "output_tail": output[-4000:]}
+    echo(f"    {status} in {seconds:.0f} s{_core_note(done)}")
+    return done
 
 
 def gpu_check(output: Path, *, run_labs: bool = True, echo: Callable[[str], None] = print) -> dict[str, Any]:
-    """The whole check; writes `output` (JSON) and returns it. Without CUDA only cpu_checks run."""
+    """The whole check; writes `output` (JSON) and returns it. Without CUDA only cpu_checks run. With CUDA, the steps
+    run from the repository root, and when a lab ran, its outcome and core-path seconds are saved as a results run
+    (LABS_RUN) beside the benchmarks' runs, in the folder of `output`."""
     output = as_path("output", output)
     if output.is_dir():  # found now, not after an hour of labs
         raise IsADirectoryError(f"output {output} is a directory: give a file name (results/gpu-check.json)")
@@ -287,6 +316,7 @@ def gpu_check(output: Path, *, run_labs: bool = True, echo: Callable[[str], None
         "steps": [],
         "benchmarks": [],
         "goals": {},
+        "labs_run": None,  # the gpu_labs run saved under results/, when a lab ran
     }
     for row in report["checks"]:
         echo(f"{'ok ' if row['ok'] else 'NO '} {row['check']}: {row['detail']}")
@@ -300,7 +330,7 @@ def gpu_check(output: Path, *, run_labs: bool = True, echo: Callable[[str], None
         runs = output.resolve().parent  # results/: each benchmark's run beside this report, to be committed
         before = set(runs.glob("*/*.json"))
         steps = [s for s in plan(gpus, runs) if run_labs or not s.name.startswith("lab ")]
-        report["steps"] = [run_step(s, gpus, ROOT / "labs" if s.name.startswith("lab ") else ROOT, echo) for s in steps]
+        report["steps"] = [run_step(s, gpus, ROOT, echo) for s in steps]  # a lab's build/core/ in this checkout
         report["benchmarks"] = [
             {"benchmark": record["benchmark"], "file": str(path), **record["figures"]}
             for name in sorted({p.parent.name for p in set(runs.glob("*/*.json")) - before})
@@ -310,7 +340,16 @@ def gpu_check(output: Path, *, run_labs: bool = True, echo: Callable[[str], None
         report["goals"] = {
             name: {"target": goal.target, "measured": goal.read(report["benchmarks"])} for name, goal in goals().items()
         }
+        labs = {
+            s["step"].removeprefix("lab "): {"status": s["status"], "core_seconds": s.get("core_seconds")}
+            for s in report["steps"]
+            if s["step"].startswith("lab ")
+        }
+        if any(lab["status"] != "skipped" for lab in labs.values()):  # beside the benchmarks' runs, after reading them
+            report["labs_run"] = str(results.save_run(LABS_RUN, {"labs": labs}, profile="gpu", root=runs))
         echo(summary(report))
+        if report["labs_run"]:
+            echo(f"saved the labs' outcomes and core-path seconds to {report['labs_run']}")
     fileio.atomic_write_text(output, json.dumps(report, indent=1, default=str))
     echo(f"wrote {output}")
     return report
@@ -321,12 +360,20 @@ def _check_echo(echo: Callable[[str], None]) -> None:
         raise TypeError(f"echo must be callable (print, say), got {echo!r}")
 
 
+def _core_note(step: dict[str, Any]) -> str:
+    """A lab step's core-path seconds, to print beside its own; nothing for another step or a lab that did not pass."""
+    if step.get("core_seconds") is not None:
+        return f", core path {step['core_seconds']:.0f} s"
+    return ", core path not timed" if "core_seconds" in step and step["status"] == "passed" else ""
+
+
 def summary(report: dict[str, Any]) -> str:
-    """The steps' outcomes and the goals against what was measured, one line each."""
+    """The steps' outcomes (a lab's with its core-path seconds) and the goals against what was measured, one line
+    each."""
     if not isinstance(report, dict) or not {"device", "steps", "goals"} <= report.keys():
         raise ValueError("report must be gpu_check's result: a dict with 'device', 'steps' and 'goals'")
     lines = [f"gpu-check on {report['device']}:"]
-    lines += [f"  {s['status']:>9}  {s['step']} ({s['seconds']:.0f} s)" for s in report["steps"]]
+    lines += [f"  {s['status']:>9}  {s['step']} ({s['seconds']:.0f} s{_core_note(s)})" for s in report["steps"]]
     lines += ["goals (speed: reported, never failed):"]
     lines += [
         f"  {goal}: target {g['target']}, "

@@ -1,8 +1,11 @@
 """`labcourse gpu-check`: without CUDA it checks what a CPU can and says nothing GPU-side was measured; its
-plan covers every lab and the steps each script declares (GPU_CHECK, read without importing it; a malformed one is
-refused naming the file); a step's failure, time-out or missing GPUs is reported, not fatal."""
+plan covers every lab's core path (`labcourse execute --core`) and the steps each script declares (GPU_CHECK, read
+without importing it; a malformed one is refused naming the file); a step's failure, time-out or missing GPUs is
+reported, not fatal; a lab's core-path seconds are read from the notebook it executed and saved as a results run."""
 
+import dataclasses
 import json
+import re
 import sys
 
 import pytest
@@ -51,9 +54,11 @@ def test_the_plan_covers_every_lab_and_gpu_benchmark(tmp_path, gpus, all_reduce_
         launcher = [PY, *ranks] if name == "all-reduce on NCCL" else [PY]
         assert step.command == [*launcher, str(gpucheck.ROOT / script), "--results", str(tmp_path), *args]
         assert (step.timeout_s, step.gpus, step.env) == (timeout_s, need, {})
-    for step, lab in zip(steps[len(REAL_STEPS) :], labs):
-        assert step.command[-1] == str(gpucheck.ROOT / "labs" / f"{lab}.ipynb") and "--nbval-lax" in step.command
-        assert (step.timeout_s, step.gpus, step.env) == (5400, 1, {"LABKIT_PROFILE": "gpu"})
+    for step, lab in zip(steps[len(REAL_STEPS) :], labs):  # the core path alone, into build/core/ under the cwd
+        notebook = str(gpucheck.ROOT / "labs" / f"{lab}.ipynb")
+        assert step.command == [PY, "-m", "labcourse", "execute", "--profile", "gpu", "--core", notebook]
+        assert (step.timeout_s, step.gpus, step.env) == (1800, 1, {})
+        assert step.executed == f"build/core/{lab}.ipynb"
 
 
 NEW_BENCHMARK = """import not_installed_anywhere  # gpu-check reads the declaration without importing the script
@@ -178,6 +183,140 @@ def test_steps_report_failure_timeout_and_missing_gpus(tmp_path):
     assert (ok["status"], bad["status"], slow["status"], many["status"]) == ("passed", "failed", "timed out", "skipped")
     assert "fine" in ok["output_tail"] and "broken" in bad["output_tail"] and slow["seconds"] < 15
     assert many["detail"] == "needs 2 GPUs, this machine has 1"
+    assert all("core_seconds" not in s for s in (ok, bad, slow, many))  # not a lab's step
+
+
+def test_a_step_past_its_limit_is_sent_sigterm_first_then_killed(tmp_path, monkeypatch):
+    """SIGTERM lets `labcourse execute` shut its kernel down (a session of its own: SIGKILL would leave it on the
+    GPU); one that ignores SIGTERM is killed STOP_GRACE_S later."""
+    monkeypatch.setattr(gpucheck, "STOP_GRACE_S", 1)
+    handles = "import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *_: sys.exit('stopped cleanly'))\n"
+    ignores = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    steps = [
+        gpucheck.Step(n, [PY, "-c", f"{code}print('up', flush=True)\ntime.sleep(30)"], 2)
+        for n, code in (("handles", handles), ("ignores", ignores))
+    ]
+    handled, ignored = (gpucheck.run_step(s, 1, tmp_path, echo=lambda _: None) for s in steps)
+    assert (handled["status"], ignored["status"]) == ("timed out", "timed out")
+    assert "stopped cleanly" in handled["output_tail"] and "up" in ignored["output_tail"]
+    assert handled["seconds"] < 10 and ignored["seconds"] < 15
+
+
+def cell(source, seconds):
+    """An executed code cell as nbclient records it: its run time in metadata.execution (None: no timing)."""
+    timing = (
+        {}
+        if seconds is None
+        else {
+            "iopub.execute_input": "2026-11-26T10:00:00.000000Z",
+            "shell.execute_reply": f"2026-11-26T10:{int(seconds // 60):02d}:{seconds % 60:09.6f}Z",
+        }
+    )
+    return {"cell_type": "code", "source": source, "metadata": {"execution": timing}, "outputs": []}
+
+
+# A lab's core run: two core cells (40 s + 2.25 s) and a deep dive (100.5 s, its notice's time): core 42.25 s.
+TIMED = {
+    "cells": [
+        {"cell_type": "markdown", "source": "# Lab 01", "metadata": {}},
+        cell("from labcourse import core\ncore.follow()", 40.0),
+        cell(["# Deep dive: the long table\n", "table()"], 100.5),  # sources as nbformat stores them: lists of lines
+        cell("print('core')", 2.25),
+    ],
+    "metadata": {},
+    "nbformat": 4,
+    "nbformat_minor": 5,
+}
+UNTIMED = {**TIMED, "cells": [*TIMED["cells"], cell("print('no timing')", None)]}
+# Stands in for `labcourse execute --core NOTEBOOK`: writes the executed notebook to build/core/ under its cwd.
+FAKE_EXECUTE = """import pathlib, sys
+notebook, status, lab = sys.argv[1:]
+core = pathlib.Path("build/core") / pathlib.Path(lab).name
+core.parent.mkdir(parents=True, exist_ok=True)
+core.write_text(notebook)
+sys.exit(int(status))
+"""
+
+
+def fake_lab(step, notebook, status=0):
+    """A lab step of the plan, its command replaced by FAKE_EXECUTE writing `notebook` and exiting with `status`."""
+    return dataclasses.replace(
+        step, command=[PY, "-c", FAKE_EXECUTE, json.dumps(notebook), str(status), step.command[-1]]
+    )
+
+
+def test_a_lab_steps_core_seconds_are_read_from_the_notebook_it_executed(tmp_path):
+    (tmp_path / "labs").mkdir()
+    (tmp_path / "labs" / "01_lab.ipynb").write_text("{}")
+    (lab,) = gpucheck.plan(1, tmp_path, tmp_path)
+    cwd = tmp_path / "checkout"
+    cwd.mkdir()
+    quiet = {"echo": lambda _: None}
+    assert gpucheck.run_step(fake_lab(lab, TIMED), 1, cwd, **quiet)["core_seconds"] == 42.25
+    assert gpucheck.core_seconds(cwd / "build" / "core" / "01_lab.ipynb") == 42.25
+    failed = gpucheck.run_step(fake_lab(lab, TIMED, status=1), 1, cwd, **quiet)  # wrote it, but did not pass
+    untimed = gpucheck.run_step(fake_lab(lab, UNTIMED), 1, cwd, **quiet)
+    wrote_none = gpucheck.run_step(dataclasses.replace(lab, command=[PY, "-c", "pass"]), 1, cwd, **quiet)  # stale one
+    skipped = gpucheck.run_step(dataclasses.replace(lab, gpus=2), 1, cwd, **quiet)
+    assert [(r["status"], r["core_seconds"]) for r in (failed, untimed, wrote_none, skipped)] == [
+        ("failed", None),
+        ("passed", None),
+        ("passed", None),
+        ("skipped", None),
+    ]
+
+
+@pytest.mark.parametrize("run_labs", [True, False])
+def test_a_gpu_run_saves_each_labs_status_and_core_seconds(tmp_path, monkeypatch, capsys, run_labs):
+    """The labs run from the checkout's root (ROOT), where execute's build/core/ lands and the core time is read."""
+    checkout, runs = tmp_path / "checkout", tmp_path / "results"
+    (checkout / "labs").mkdir(parents=True)
+    for name in ("01_timed", "02_broken", "03_untimed"):
+        (checkout / "labs" / f"{name}.ipynb").write_text("{}")
+    real_plan = gpucheck.plan
+
+    def plan(gpus, folder):
+        assert folder == runs
+        timed, broken, untimed = real_plan(gpus, folder, checkout)
+        bench = gpucheck.Step("bench", [PY, "-c", "print('no run saved')"], 60)
+        return [bench, fake_lab(timed, TIMED), fake_lab(broken, TIMED, status=1), fake_lab(untimed, UNTIMED)]
+
+    monkeypatch.setattr(launch, "visible_gpus", lambda: 1)
+    monkeypatch.setattr(gpucheck, "plan", plan)
+    monkeypatch.setattr(gpucheck, "cpu_checks", lambda: [])
+    monkeypatch.setattr(gpucheck, "ROOT", checkout)
+    args = ["gpu-check", "-o", str(runs / "gpu-check.json")] + ([] if run_labs else ["--no-labs"])
+    assert cli.main(args) == (1 if run_labs else 0)  # lab 02 failed
+    report = json.loads((runs / "gpu-check.json").read_text())
+    out = capsys.readouterr().out
+    if not run_labs:
+        assert [s["step"] for s in report["steps"]] == ["bench"] and report["labs_run"] is None
+        assert not (runs / "gpu_labs").exists() and not (checkout / "build").exists()
+        return
+    assert [(s["step"], s["status"], s.get("core_seconds", "-")) for s in report["steps"]] == [
+        ("bench", "passed", "-"),
+        ("lab 01_timed", "passed", 42.25),
+        ("lab 02_broken", "failed", None),
+        ("lab 03_untimed", "passed", None),
+    ]
+    assert report["benchmarks"] == []  # the labs' run is not a benchmark's
+    ((path, record),) = gpucheck.results.runs("gpu_labs", runs)
+    assert report["labs_run"] == str(path) and record["machine"]["profile"] == "gpu"
+    assert record["figures"] == {
+        "labs": {
+            "01_timed": {"status": "passed", "core_seconds": 42.25},
+            "02_broken": {"status": "failed", "core_seconds": None},
+            "03_untimed": {"status": "passed", "core_seconds": None},
+        }
+    }
+    assert re.search(r"passed  lab 01_timed \(\d+ s, core path 42 s\)", out)
+    assert re.search(r"failed  lab 02_broken \(\d+ s\)", out)
+    assert re.search(r"passed  lab 03_untimed \(\d+ s, core path not timed\)", out)
+    assert sorted(p.name for p in (checkout / "build" / "core").iterdir()) == [
+        "01_timed.ipynb",
+        "02_broken.ipynb",
+        "03_untimed.ipynb",
+    ]
 
 
 def test_a_gpu_run_writes_every_step_and_reads_the_goals(tmp_path, monkeypatch, capsys):
@@ -211,6 +350,8 @@ def test_a_gpu_run_writes_every_step_and_reads_the_goals(tmp_path, monkeypatch, 
     report = json.loads((tmp_path / "gpu.json").read_text())
     assert [(s["step"], s["status"]) for s in report["steps"]] == [("bench", "passed"), ("lab 99", "failed")]
     assert len(report["benchmarks"]) == 5
+    labs_run = json.loads(open(report["labs_run"]).read())
+    assert labs_run["figures"] == {"labs": {"99": {"status": "failed", "core_seconds": None}}}
     measured = {goal: g["measured"] for goal, g in report["goals"].items()}
     assert measured == {
         "bf16 MFU, GPT-2 small, torch.compile": 0.52,
