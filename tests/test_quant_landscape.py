@@ -79,6 +79,7 @@ def test_cache_reuses_gptq_and_without_act_order_names_it(tiny, calibration, tmp
         ({"awq_blocks": 9}, ValueError),  # the calibration holds 8 windows
         ({"awq_grid": 0}, ValueError),
         ({"act_order": "yes"}, TypeError),
+        ({"progress": 1}, TypeError),
     ],
 )
 def test_bad_input_fails_before_any_method_runs(tiny, calibration, kwargs, error):
@@ -87,6 +88,14 @@ def test_bad_input_fails_before_any_method_runs(tiny, calibration, kwargs, error
     with pytest.raises(error):
         ptq_landscape(tiny, args.pop("calibration"), args.pop("score"), **args)
     assert not calls
+
+
+def test_progress_shows_the_two_calibrated_methods_and_only_when_asked(tiny, calibration, capsys):
+    for progress in (True, False):
+        list(ptq_landscape(tiny, calibration, weight_error(tiny), awq_grid=2, progress=progress))
+        shown = capsys.readouterr().err
+        assert ("AWQ scales" in shown and "GPTQ" in shown) is progress, shown[-300:]
+        assert "RTN" not in shown and "NF4" not in shown  # seconds each: no bar
 
 
 def test_a_model_that_nf4_or_awq_cannot_take_fails_before_any_method_runs(tiny, calibration):

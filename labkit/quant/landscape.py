@@ -43,11 +43,13 @@ def ptq_landscape(
     awq_blocks: int | None = None,
     awq_grid: int = GRID,
     cache: bool = False,
+    progress: bool = True,
 ) -> Iterator[LandscapePoint]:
     """Quantize `model` (left unchanged) with each method in turn; the points come one by one, each as it is scored.
 
     `calibration` ([n, T] token ids) feeds GPTQ, and its first `awq_blocks` windows (all by default) the
     AWQ-style scale search; RTN and NF4 use no data. With `cache`, GPTQ goes through `quantize_model_cached`.
+    With `progress`, the two calibrated methods (minutes each on a CPU) show a bar layer by layer.
     """
     check_module(model)
     check_calibration(model, calibration, "the quantization landscape")
@@ -67,13 +69,14 @@ def ptq_landscape(
     check_scalable(model, four_bit)  # AWQ-style scaling needs Llama-style blocks: refused here, not after three methods
     check_bool("act_order", act_order)
     check_bool("cache", cache)
+    check_bool("progress", progress)
     awq_blocks = calibration.shape[0] if awq_blocks is None else awq_blocks
     check_int("awq_blocks", awq_blocks, minimum=1)
     if awq_blocks > calibration.shape[0]:
         raise ValueError(f"awq_blocks={awq_blocks}, but the calibration holds {calibration.shape[0]} windows")
     check_int("awq_grid", awq_grid, minimum=1)
     gptq_cfg = QuantConfig(bits=4, group_size=group_size, act_order=act_order)
-    return _points(model, calibration[:awq_blocks], calibration, score, four_bit, gptq_cfg, awq_grid, cache)
+    return _points(model, calibration[:awq_blocks], calibration, score, four_bit, gptq_cfg, awq_grid, cache, progress)
 
 
 def _points(
@@ -85,6 +88,7 @@ def _points(
     gptq_cfg: QuantConfig,
     awq_grid: int,
     cache: bool,
+    progress: bool,
 ) -> Iterator[LandscapePoint]:
     q8 = quantize_model(model, QuantConfig(bits=8, group_size=-1), method="rtn", progress=False)
     yield LandscapePoint("RTN 8-bit per channel", q8.bits_per_weight(), score(q8.model), q8.seconds)
@@ -95,7 +99,7 @@ def _points(
     nf4 = quantize_model_nf4(model, progress=False)
     yield LandscapePoint("NF4 + double quant", nf4.bits_per_weight(), score(nf4.model), nf4.seconds)
     del nf4
-    scaled = awq_model(model, awq_calibration, four_bit, grid=awq_grid, progress=False)
+    scaled = awq_model(model, awq_calibration, four_bit, grid=awq_grid, progress=progress)
     awq = quantize_model(scaled.model, four_bit, method="rtn", inplace=True, progress=False)
     yield LandscapePoint(
         f"AWQ-style + RTN {four_bit.label()}",
@@ -106,9 +110,9 @@ def _points(
     )
     del scaled, awq
     if cache:
-        gptq, reused = quantize_model_cached(model, gptq_cfg, calibration, progress=False)
+        gptq, reused = quantize_model_cached(model, gptq_cfg, calibration, progress=progress)
     else:
-        gptq, reused = quantize_model(model, gptq_cfg, calibration, progress=False), False
+        gptq, reused = quantize_model(model, gptq_cfg, calibration, progress=progress), False
     yield LandscapePoint(
         f"GPTQ {gptq_cfg.label()}", gptq.bits_per_weight(), score(gptq.model), gptq.seconds, reused=reused
     )
