@@ -39,7 +39,10 @@ TARGETS = {  # file -> its template; the rendering replaces the lines between th
     Path("labs/START_HERE.md"): Path("docs/start.md"),
 }
 END = "<!-- figures: end -->"
-RUN_LABELS = {"make_test": "a fresh clone's `.ci/run`"}  # saved runs that no script in benchmarks/ makes
+RUN_LABELS = {  # saved runs that no script in benchmarks/ makes
+    "make_test": "a fresh clone's `.ci/run`",
+    "gpu_labs": "`make gpu-check`",  # each lab's core path under the gpu profile (labcourse.gpucheck)
+}
 
 
 def begin(template: Path) -> str:

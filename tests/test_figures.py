@@ -236,3 +236,17 @@ def test_a_benchmark_source_can_pick_the_newest_run_made_on_a_kind_of_machine(tm
     assert figures.render_line("{{bench/speed[machine.profile=gpu,dense_s=0.027]: dense_s}}", sources) == "0.027"
     with pytest.raises(figures.FigureError, match=r"no saved run whose figures match \[machine.profile=smoke\]"):
         figures.render_line("{{bench/speed[machine.profile=smoke]: dense_s}}", sources)
+
+
+def test_the_labs_times_gpu_check_saves_render_with_their_gpu_named(tmp_path):
+    root = make_repo(tmp_path)
+    run = root / "results" / "gpu_labs" / "20261127-100000-node.json"
+    run.parent.mkdir()
+    labs = {"00_gpu_setup": {"status": "passed", "core_seconds": 95.0}}
+    machine = {"profile": "gpu", "gpus": ["NVIDIA H100 80GB HBM3"], "date": "2026-11-27 10:00 UTC"}
+    run.write_text(json.dumps({"benchmark": "gpu_labs", "machine": machine, "figures": {"labs": labs}}))
+    line = "| {{bench/gpu_labs: labs.00_gpu_setup.core_seconds ÷ 60 | .1f}} min | {{sources}} |"
+    assert figures.render_line(line, figures.Sources(root)) == (
+        "| 1.6 min | [`make gpu-check`](results/gpu_labs/20261127-100000-node.json) "
+        "(`gpu`, NVIDIA H100 80GB HBM3, 2026-11-27) |"
+    )
