@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from labkit import precision
 from labkit.torchutil import device_of
@@ -123,20 +124,25 @@ def time_interleaved(
     repeats: int = 5,
     device: str | torch.device | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    progress: bool = False,
 ) -> dict[str, Timing]:
-    """Time several functions side by side: each round times each once, so drift in machine load hits all alike."""
+    """Time several functions side by side: each round times each once, so drift in machine load hits all alike.
+    `progress` shows a bar over the calls (warm-up included) for timings that take long enough to need one."""
     if not fns or repeats < 1 or warmup < 0:
         raise ValueError(
             f"need functions to time, repeats >= 1 and warmup >= 0, got {len(fns)} functions, "
             f"repeats={repeats}, warmup={warmup}"
         )
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            times[name] += time_fn(fn, warmup=0, repeats=1, device=device, clock=clock).times
+    with tqdm(total=len(fns) * (warmup + repeats), desc="timing", leave=False, disable=not progress) as bar:
+        for fn in fns.values():
+            for _ in range(warmup):
+                fn()
+                bar.update()
+        times: dict[str, list[float]] = {name: [] for name in fns}
+        for _ in range(repeats):
+            for name, fn in fns.items():
+                times[name] += time_fn(fn, warmup=0, repeats=1, device=device, clock=clock).times
+                bar.update()
     return {name: Timing(times=t, warmup=warmup) for name, t in times.items()}
 
 

@@ -60,6 +60,14 @@ def test_time_interleaved_alternates_the_functions_and_keeps_their_times_apart()
         bench.time_interleaved({"a": lambda: None}, repeats=0)
 
 
+def test_time_interleaved_shows_a_bar_over_its_calls_when_asked(capsys):
+    fns = {"a": lambda: None, "b": lambda: None, "c": lambda: None}
+    bench.time_interleaved(fns, warmup=1, repeats=3)
+    assert capsys.readouterr().err == ""
+    bench.time_interleaved(fns, warmup=1, repeats=3, progress=True)
+    assert "timing" in (bar := capsys.readouterr().err) and "0/12" in bar  # 3 functions x (1 warm-up + 3 rounds)
+
+
 def test_time_fn_rejects_bad_counts():
     with pytest.raises(ValueError, match="repeats >= 1"):
         bench.time_fn(lambda: None, repeats=0)

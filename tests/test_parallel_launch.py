@@ -17,6 +17,7 @@ from labkit.parallel import launch
 
 SCRIPT = Path(__file__).parents[1] / "labs" / "scripts" / "dp_parity.py"
 HOLD = Path(__file__).parent / "scripts" / "hold_ranks.py"
+REPORT = Path(__file__).parent / "scripts" / "report_progress.py"
 
 
 def test_a_failing_rank_ends_the_job_with_its_own_error():
@@ -164,3 +165,34 @@ def test_a_rank_that_dies_without_a_traceback_is_named_by_its_last_words(tmp_pat
     with pytest.raises(launch.RankError) as err:
         launch._rank_results(tmp_path, "job.py", 1, log[6:])
     assert "the crash" not in str(err.value)
+
+
+def test_progress_lines_move_the_bar_and_stay_out_of_the_log(capsys):
+    said = []
+    results = launch.launch(REPORT, nproc=2, echo=said.append, timeout=120)
+    assert results == [{"rank": 0}, {"rank": 1}]
+    assert "rank 0 of 2 works" in said and "rank 1 of 2 works" in said
+    assert not any(launch.PROGRESS_MARK in line for line in said)
+    bar = capsys.readouterr().err
+    assert "report_progress.py, 2 ranks" in bar and "0/3" in bar and "first unit" in bar and "3/3" in bar
+
+
+def test_no_bar_without_progress(capsys):
+    launch.launch(REPORT, nproc=1, echo=None, timeout=120, progress=False)
+    assert capsys.readouterr().err == ""
+    with pytest.raises(TypeError, match="progress must be True or False"):
+        launch.launch(REPORT, nproc=1, progress="yes")
+
+
+def test_report_progress_prints_on_rank_0_only_and_checks_its_counts(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+    launch.report_progress(2, 5, "memory: fsdp")
+    assert capsys.readouterr().out == f"{launch.PROGRESS_MARK} 2/5 memory: fsdp\n"
+    monkeypatch.setenv("RANK", "1")
+    launch.report_progress(2, 5, "memory: fsdp")
+    assert capsys.readouterr().out == ""
+    for done, total in ((6, 5), (-1, 5), (0, 0), (1.0, 5)):
+        with pytest.raises(ValueError, match="need ints 0 <= done <= total"):
+            launch.report_progress(done, total)
+    with pytest.raises(ValueError, match="one line"):
+        launch.report_progress(1, 2, "two\nlines")

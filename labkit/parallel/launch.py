@@ -1,6 +1,7 @@
 """Where the ranks run and how a notebook starts them: one rank per GPU on NCCL, else CPU ranks on gloo;
 `rank_context` inside each torchrun worker; `launch`, a torchrun launcher a notebook can call, which streams
-the log, reports a failing rank's own traceback, and leaves no rank running after it returns.
+the log, shows how far the job is (`report_progress` from the ranks), reports a failing rank's own traceback,
+and leaves no rank running after it returns.
 
 The same code runs on a laptop (gloo, CPU processes), a GPU node (NCCL) or many nodes under Slurm.
 """
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,12 +26,14 @@ from typing import Any
 import psutil
 import torch
 import torch.distributed as dist
+from tqdm.auto import tqdm
 
 from labkit.torchutil import is_int
 
 RESULT_ENV = "LABKIT_RESULT_DIR"
 DEVICE_ENV = "LABKIT_DIST_DEVICE"  # 'cpu' or 'cuda': where the ranks run, instead of the automatic choice
 LAUNCHER_ENV = "LABKIT_LAUNCHER"  # 'pid:start_time' of the process that called launch(); ranks die with it
+PROGRESS_MARK = "labkit-progress"  # a log line 'labkit-progress DONE/TOTAL what' moves the launcher's bar
 
 
 class RankError(RuntimeError):
@@ -141,6 +145,17 @@ def _exit_with_parents(interval: float = 0.5) -> threading.Event:
     return stop
 
 
+def report_progress(done: int, total: int, what: str = "") -> None:
+    """From rank 0: `done` of `total` units of work finished (`what`: the one now running), one log line that
+    `launch` turns into its progress bar; run by hand, the line reads as it is."""
+    if not (is_int(done) and is_int(total) and 0 <= done <= total and total >= 1):
+        raise ValueError(f"need ints 0 <= done <= total, total >= 1; got done={done!r}, total={total!r}")
+    if "\n" in what:
+        raise ValueError(f"what must be one line, got {what!r}")
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"{PROGRESS_MARK} {done}/{total} {what}".rstrip(), flush=True)
+
+
 def save_result(result: dict[str, Any]) -> None:
     """Write this rank's result (JSON) for the launcher to collect."""
     out = os.environ.get(RESULT_ENV)
@@ -162,18 +177,22 @@ def launch(
     timeout: float = 300,
     echo: Callable[[str], None] | None = print,
     env: dict[str, str] | None = None,
+    progress: bool = True,
 ) -> list[dict[str, Any]]:
     """Run `script` under torchrun with `nproc` local processes; return each rank's saved result.
 
     The ranks run where `placement` puts them (one line says where and why). The log is streamed line
-    by line to `echo`. If any rank fails, the whole job is stopped and a RankError carries the first
-    failing rank's traceback; past `timeout` seconds, or on an interrupt, the job is killed, so a hung
-    rank never hangs the caller and no rank outlives the call.
+    by line to `echo`. With `progress`, a bar shows the time so far, and how far the job is once rank 0
+    reports it (`report_progress`, whose lines go to the bar, not to echo). If any rank fails, the whole
+    job is stopped and a RankError carries the first failing rank's traceback; past `timeout` seconds, or on
+    an interrupt, the job is killed, so a hung rank never hangs the caller and no rank outlives the call.
     """
     if not is_int(nproc) or nproc < 1:
         raise ValueError(f"nproc must be an int >= 1, got {nproc!r}")
     if not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress must be True or False, got {progress!r}")
     if args is not None and not all(isinstance(a, str) for a in args):
         raise TypeError(f"args must be a list of strings (command-line arguments), got {args!r}")
     script = Path(script)
@@ -200,15 +219,23 @@ def launch(
             LAUNCHER_ENV: me,
             "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
         }
-        code, lines = _run_job(cmd, job_env, timeout, echo, script.name)
+        bar = tqdm(desc=f"{script.name}, {nproc} rank{'s' * (nproc != 1)}", leave=False, disable=not progress)
+        bar.bar_format = "{desc}: {elapsed}"  # until rank 0 says how much there is to do
+        try:
+            code, lines = _run_job(cmd, job_env, timeout, echo, script.name, bar)
+        finally:
+            bar.close()
         return _rank_results(Path(out), script.name, code, lines)
 
 
+PROGRESS_LINE = re.compile(rf"^{PROGRESS_MARK} (\d+)/(\d+) ?(.*)$")
+
+
 def _run_job(
-    cmd: list[str], env: dict[str, str], timeout: float, echo: Callable[[str], None] | None, name: str
+    cmd: list[str], env: dict[str, str], timeout: float, echo: Callable[[str], None] | None, name: str, bar: tqdm
 ) -> tuple[int, list[str]]:
-    """Run cmd in a session of its own, streaming its log to echo; its exit code and log lines. Past timeout, or
-    on an interrupt, the whole process tree is killed."""
+    """Run cmd in a session of its own, streaming its log to echo and its progress lines to bar (ticking each
+    second); its exit code and log lines. Past timeout, or on an interrupt, the whole process tree is killed."""
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env
     )
@@ -216,25 +243,44 @@ def _run_job(
 
     def pump() -> None:
         for line in proc.stdout:
+            if mark := PROGRESS_LINE.match(line.rstrip("\n")):
+                done, total, what = int(mark[1]), int(mark[2]), mark[3]
+                if bar.total != total:
+                    bar.total, bar.bar_format = total, None
+                bar.set_postfix_str(what, refresh=False)
+                bar.update(done - bar.n)
+                bar.refresh()  # update() skips a redraw within 0.1 s of the last; these lines are rare
+                continue
             lines.append(line)
             if echo:
                 echo(line.rstrip("\n"))
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
+    deadline = time.monotonic() + timeout
     try:
-        code = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_tree(proc)
-        raise TimeoutError(
-            f"{name} did not finish within {timeout:.0f} s and was killed; last output:\n" + "".join(lines[-20:])
-        ) from None
+        while (code := _wait(proc, min(1.0, deadline - time.monotonic()))) is None:
+            if time.monotonic() >= deadline:
+                _kill_tree(proc)
+                raise TimeoutError(
+                    f"{name} did not finish within {timeout:.0f} s and was killed; last output:\n"
+                    + "".join(lines[-20:])
+                )
+            bar.refresh()
     except BaseException:  # an interrupted notebook cell, Ctrl-C: stop the job before giving up
         _kill_tree(proc)
         raise
     finally:
         reader.join(timeout=5)
     return code, lines
+
+
+def _wait(proc: subprocess.Popen, seconds: float) -> int | None:
+    """proc's exit code, or None if it is still running after `seconds`."""
+    try:
+        return proc.wait(timeout=max(0.0, seconds))
+    except subprocess.TimeoutExpired:
+        return None
 
 
 CRASH = re.compile(r"terminate called|what\(\):|Fatal Python error|Segmentation fault|Aborted")

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from labkit.models import tiny_llama
-from labkit.parallel.launch import rank_context, save_result
+from labkit.parallel.launch import rank_context, report_progress, save_result
 from labkit.parallel.pipeline import SCHEDULES, LlamaStage, StageTimeline, max_in_flight, saved_activation_bytes
 
 
@@ -39,7 +39,12 @@ def main() -> None:
         for schedule, microbatches in args.runs:
             if schedule == "1f1b" and microbatches < world:
                 raise ValueError(f"1F1B needs at least as many micro-batches as stages ({world}), got {microbatches}")
-        save_result({"runs": [run(schedule, m, args, rank, world, device) for schedule, m in args.runs]})
+        runs = []
+        for schedule, microbatches in args.runs:
+            report_progress(len(runs), len(args.runs), f"{schedule}:{microbatches}")
+            runs.append(run(schedule, microbatches, args, rank, world, device))
+        report_progress(len(runs), len(args.runs))
+        save_result({"runs": runs})
 
 
 def run(schedule_name: str, microbatches: int, args: argparse.Namespace, rank: int, world: int, device) -> dict:

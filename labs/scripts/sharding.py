@@ -30,13 +30,31 @@ from labkit.models import llama_shape, tiny_llama
 from labkit.parallel import memory
 from labkit.parallel.comm import compress_hook, count_collectives
 from labkit.parallel.fsdp import shard_model
-from labkit.parallel.launch import rank_context, save_result
+from labkit.parallel.launch import rank_context, report_progress, save_result
 from labkit.parallel.zero import Zero1AdamW
 from labkit.profiles import get_profile
 from labkit.torchutil import activation_checkpointing
 
 PARTS = ("parity", "traffic", "memory", "compression")
 METHODS = ("ddp", "zero1", "zero1_torch", "fsdp", "fsdp_ckpt", "fsdp_offload")
+HOOKS = {  # the compression curves: a fresh hook (or (state, hook)) per curve
+    "none": lambda: default_hooks.allreduce_hook,
+    "bf16": lambda: compress_hook(torch.bfloat16),
+    "powersgd_1": lambda: powersgd(1),
+    "powersgd_4": lambda: powersgd(4),
+}
+UNITS = {"parity": 1, "traffic": 1, "memory": len(METHODS), "compression": len(HOOKS)}  # for the launcher's bar
+
+
+class Ticker:
+    """Rank 0 tells the launcher's bar which unit of work starts, and how many are done."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done = total, 0
+
+    def __call__(self, what: str) -> None:
+        report_progress(min(self.done, self.total), self.total, what)
+        self.done += 1
 
 
 def loss_of(model, x):
@@ -135,11 +153,12 @@ def traffic(base, x):
     return {"steps": steps, "fp16_hook_vs_torch": fp16_difference}
 
 
-def measure_memory(base, x, device, repeats):
+def measure_memory(base, x, device, repeats, tick):
     """Per method: bytes held after a step, memory in use it added, the step's peak, and the median step time."""
     n = sum(p.numel() for p in base.parameters())
     world, rows = dist.get_world_size(), {}
     for method in METHODS:
+        tick(f"memory: {method}")
         if method == "fsdp_offload" and device.type == "cpu":
             continue  # nothing to offload to: CPU ranks hold everything in host memory already
         bench.release_memory()
@@ -165,19 +184,14 @@ def measure_memory(base, x, device, repeats):
     return {"parameters": n, "methods": rows}
 
 
-def compression(base, batches, lr):
+def compression(base, batches, lr, tick):
     """One loss curve per gradient hook (the mean over ranks of each step's loss) and the bytes per step."""
-    hooks = {
-        "none": lambda: default_hooks.allreduce_hook,
-        "bf16": lambda: compress_hook(torch.bfloat16),
-        "powersgd_1": lambda: powersgd(1),
-        "powersgd_4": lambda: powersgd(4),
-    }
     curves = {}
     # one bucket: PowerSGD chains collectives in future callbacks, and on gloo two buckets' callbacks can issue
     # them in a different order on each rank (a collective mismatch)
     one_bucket = 4 * sum(p.numel() for p in base.parameters()) / 2**20 + 1
-    for name, make in hooks.items():
+    for name, make in HOOKS.items():
+        tick(f"compression: {name}")
         model, optimizer, _, _ = wrap("ddp", base, lr, bucket_mb=one_bucket)
         hook = make()
         model.register_comm_hook(*hook) if isinstance(hook, tuple) else model.register_comm_hook(None, hook)
@@ -251,12 +265,15 @@ def main() -> None:
         }
         x = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(rank))
         x = x.to(device)
+        tick = Ticker(sum(UNITS[part] for part in parts))
         if "parity" in parts:
+            tick("parity")
             result["parity"] = parity(rank, world, device)
         if "traffic" in parts:
+            tick("traffic")
             result["traffic"] = traffic(base, x)
         if "memory" in parts:
-            result["memory"] = measure_memory(base, x, device, args.repeats)
+            result["memory"] = measure_memory(base, x, device, args.repeats, tick)
         if "compression" in parts:
             if args.shards:
                 paths = sorted(Path(args.shards).glob("*.bin"))
@@ -265,7 +282,8 @@ def main() -> None:
                 batches = [torch.cat([inputs, targets[:, -1:]], 1) for (inputs, targets), _ in pairs]
             else:
                 batches = synthetic_batches(args.vocab, args.batch, args.seq, args.steps, rank)
-            result["compression"] = compression(base, [b.to(device) for b in batches], args.lr)
+            result["compression"] = compression(base, [b.to(device) for b in batches], args.lr, tick)
+        report_progress(tick.total, tick.total)
         save_result(result)
 
 
