@@ -90,6 +90,9 @@ def _slurm(args: argparse.Namespace) -> int:
     from labkit import fileio
     from labkit.parallel.slurm import slurm_script
 
+    if None in (args.sbatch_option or []):  # `--sbatch-option --qos=debug`: argparse took --qos=debug for an option
+        hint = next((a for a in args.unknown if a.startswith("--")), "--qos=debug")
+        raise ValueError(f"--sbatch-option takes its value after '=', as in --sbatch-option={hint}")
     if args.unknown:
         raise ValueError(
             f"unknown option(s) {' '.join(args.unknown)}; the training script's own arguments go "
@@ -102,8 +105,11 @@ def _slurm(args: argparse.Namespace) -> int:
         args=args.passthrough,
         job_name=args.job_name,
         time_limit=args.time,
+        cpus_per_task=args.cpus_per_task,
+        mem=args.mem,
         partition=args.partition,
         account=args.account,
+        sbatch_options=args.sbatch_option,
     )
     if args.output:
         if Path(args.output).is_dir():
@@ -221,8 +227,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus-per-node", type=int, default=1)
     p.add_argument("--time", default="00:30:00", help="wall-clock limit, HH:MM:SS")
     p.add_argument("--job-name", default="labkit")
+    p.add_argument("--cpus-per-task", type=int, help="CPUs of each node's task (one per node), shared by its ranks")
+    p.add_argument("--mem", help="memory per node, as Slurm writes it: 64G, 500M (0: all of it)")
     p.add_argument("--partition")
     p.add_argument("--account")
+    p.add_argument(
+        "--sbatch-option",
+        action="append",
+        nargs="?",  # so that a value given apart (--sbatch-option --qos=debug) gets a clear error, not argparse's
+        metavar="--NAME[=VALUE]",
+        help="another #SBATCH line the cluster needs, joined by '=': --sbatch-option=--qos=debug (repeatable)",
+    )
     p.add_argument("--output", "-o", help="write the script here instead of printing it")
     p.set_defaults(func=_slurm)
     return run(parser, sub, argv, passes_on={"slurm": "after --"})
