@@ -306,17 +306,27 @@ def render_line(line: str, sources: Sources, base: str = ".") -> str:
         body = match.group(1)
         if body.strip() == "sources":
             return match.group(0)  # after the figures, once the row's sources are known
+        body, otherwise, fallback = body.partition("||")  # `|| text`: shown where the source has no such figure
         name, sep, rest = body.partition(":")
         if not sep:
             raise FigureError(f"{{{{{body}}}}}: write {{{{source: figure | format}}}}")
         figure, _, spec = rest.rpartition("|") if "|" in rest else (rest, "", "")
-        figures, source = sources.get(name.strip())
-        if source not in used:
-            used.append(source)
+        try:
+            figures, source = sources.get(name.strip())
+        except (FigureError, FileNotFoundError):
+            if otherwise:
+                return fallback.strip()
+            raise
         try:
             value = evaluate(figures, figure, by_name=name.strip().startswith("lab"))
+            if value is None and otherwise:
+                raise FigureError("stored as null")
         except FigureError as err:
+            if otherwise:
+                return fallback.strip()
             raise FigureError(f"{{{{{body}}}}}: {err}") from None
+        if source not in used:
+            used.append(source)
         return fmt(value, spec.strip())
 
     text = PLACEHOLDER.sub(fill, line)

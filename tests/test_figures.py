@@ -238,6 +238,27 @@ def test_a_benchmark_source_can_pick_the_newest_run_made_on_a_kind_of_machine(tm
         figures.render_line("{{bench/speed[machine.profile=smoke]: dense_s}}", sources)
 
 
+def test_a_fallback_stands_where_no_run_or_no_figure_exists_and_only_there(tmp_path):
+    root = make_repo(tmp_path)
+    line = "| {{bench/gpu_labs: labs.00_gpu_setup.core_seconds | min || not measured yet}} | {{sources}} |"
+    assert figures.render_line(line, figures.Sources(root)) == "| not measured yet |  |"  # no gpu_labs run at all
+    with pytest.raises(FileNotFoundError, match="no saved run of benchmark 'gpu_labs'"):  # without a fallback
+        figures.render_line(line.replace(" || not measured yet", ""), figures.Sources(root))
+    run = root / "results" / "gpu_labs" / "20261127-100000-node.json"
+    run.parent.mkdir()
+    labs = {"00_gpu_setup": {"status": "passed", "core_seconds": 95.0}, "01_data": {"status": "timed out"}}
+    labs["02_mixed"] = {"status": "failed", "core_seconds": None}
+    machine = {"profile": "gpu", "gpus": ["NVIDIA H100 80GB HBM3"], "date": "2026-11-27 10:00 UTC"}
+    run.write_text(json.dumps({"benchmark": "gpu_labs", "machine": machine, "figures": {"labs": labs}}))
+    assert figures.render_line(line, figures.Sources(root)).startswith("| 1 min 35 s | [`make gpu-check`](results/")
+    for stem in ("01_data", "02_mixed"):  # no figure; stored as null
+        assert (
+            figures.render_line(line.replace("00_gpu_setup", stem), figures.Sources(root)) == "| not measured yet |  |"
+        )
+    with pytest.raises(figures.FigureError, match="cannot format 95.0 with '.1x'"):  # a wrong format is still an error
+        figures.render_line(line.replace("| min ||", "| .1x ||"), figures.Sources(root))
+
+
 def test_the_labs_times_gpu_check_saves_render_with_their_gpu_named(tmp_path):
     root = make_repo(tmp_path)
     run = root / "results" / "gpu_labs" / "20261127-100000-node.json"
