@@ -54,7 +54,7 @@ STAMP      := $(VENV)/.labkit-installed-$(SETUP_HASH)
 # this clone's labkit, also where the venv's editable install points at another clone (VENV=)
 RUN        := PATH="$(abspath $(VENV))/bin:$$PATH" PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}"
 
-.PHONY: lab lab-solutions test lint gpu-check execute figures student slides setup prepare doctor clean tensorboard
+.PHONY: lab lab-solutions test lint gpu-check execute figures student slides grade setup prepare doctor clean tensorboard
 
 # Both open working copies under build/, never the tracked notebooks: running a lab modifies no tracked
 # file, and a copy a student has changed is never overwritten (an unchanged one follows the course).
@@ -105,6 +105,10 @@ tensorboard: setup
 
 student: setup
 	$(RUN) $(PY) -m labcourse student --labs labs --output build/student
+
+# The class's notebooks, collected as SUBMISSIONS/<student>/NN_lab.ipynb: build/grades/grades.{csv,html}.
+grade: setup
+	$(RUN) $(PY) -m labcourse grade "$(or $(SUBMISSIONS),submissions)" --labs labs --output build/grades
 
 setup: $(STAMP)
 

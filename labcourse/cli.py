@@ -1,5 +1,5 @@
-"""Command line of the course: `labcourse lab | tensorboard | execute | figures | student | slides | gpu-check`: the
-machinery that opens, runs, builds and measures the labs of this repository (`labkit` holds the techniques)."""
+"""Command line of the course: `labcourse lab | tensorboard | execute | figures | student | slides | grade | gpu-check`:
+the machinery that opens, runs, builds and measures the labs of this repository (`labkit` holds the techniques)."""
 
 from __future__ import annotations
 
@@ -199,6 +199,18 @@ def _slides(args: argparse.Namespace) -> int:
     return 0
 
 
+def _grade(args: argparse.Namespace) -> int:
+    from labcourse.grade import grade
+
+    grades = grade(args.submissions, args.labs, args.output, timeout=args.timeout)
+    students = sorted({g.student for g in grades})
+    for student in students:
+        mine = [g for g in grades if g.student == student]
+        print(f"{student}: {sum(g.status == 'passed' for g in mine)} of {len(mine)} exercises passed")
+    print(f"wrote {args.output / 'grades.csv'} and {args.output / 'grades.html'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `labcourse` command."""
     parser = Parser(prog="labcourse", description=__doc__)
@@ -274,6 +286,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("notebooks", nargs="*", type=Path, help="the notebooks (default: every lab in labs/)")
     p.add_argument("--output", "-o", default="build/slides", help="where to write them (default: build/slides)")
     p.set_defaults(func=_slides)
+    p = sub.add_parser(
+        "grade",
+        help="grade students' notebooks (SUBMISSIONS/<student>/NN_lab.ipynb): each exercise's cell runs in a "
+        "child process with a time limit and no network, the course's checks judge it here; writes a table",
+    )
+    p.add_argument("submissions", nargs="+", type=Path, help="notebooks, or folders of students' folders")
+    p.add_argument("--labs", default=str(LABS_DIR), help="the reference labs (default: the course's labs/)")
+    p.add_argument("--output", "-o", type=Path, default=Path("build/grades"), help="default: build/grades")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds per exercise (default: %(default)s)")
+    p.set_defaults(func=_grade)
     # JupyterLab takes its options with or without `--`.
     return run(parser, sub, argv, passes_on={"lab": "unknown"})
 
