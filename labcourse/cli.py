@@ -200,8 +200,11 @@ def _slides(args: argparse.Namespace) -> int:
 
 
 def _grade(args: argparse.Namespace) -> int:
-    from labcourse.grade import grade
+    from labcourse.grade import NO_NAMESPACE, grade
+    from labcourse.sandbox import network_isolation
 
+    if not network_isolation():
+        print(NO_NAMESPACE, file=sys.stderr)
     grades = grade(args.submissions, args.labs, args.output, timeout=args.timeout)
     students = sorted({g.student for g in grades})
     for student in students:

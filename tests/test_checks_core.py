@@ -71,3 +71,13 @@ def test_reveal_puts_the_prediction_beside_the_measurement(prediction, says, cap
 def test_reveal_shows_an_answer_that_is_not_a_number(capsys):
     checks.reveal("the largest item", "optimizer state", "logits")
     assert capsys.readouterr().out == "the largest item: you predicted 'optimizer state', measured logits.\n"
+
+
+@pytest.mark.parametrize("name", [n for n in checks.__all__ if n.startswith("check_")])
+def test_no_check_passes_a_nan(name, capsys):
+    """abs(nan - x) > tol is False: a check written that way passed `return float('nan')` (five did)."""
+    check = getattr(checks, name).__wrapped__  # the check itself, not the lab's fallback to labkit's answer
+    for answer in (float("nan"), [float("nan")]):
+        with pytest.raises(Exception):  # noqa: B017, PT011 (CheckFailed, or the check's own error on a wrong type)
+            check(lambda *args, answer=answer: answer)
+    assert "passed" not in capsys.readouterr().out

@@ -40,6 +40,12 @@ PLANTED = {  # student -> the cell that replaces their exercise 00.1 (exercise 0
     "tampering": "from labcourse import checks\nchecks.check_median_time = lambda fn: fn\n" + MEAN,
     "networked": "import urllib.request\n\n\ndef median_time(work, sync, clock, warmup, repeats):\n"
     "    return urllib.request.urlopen('http://example.com', timeout=2).read()\n",
+    "nan": "def median_time(work, sync, clock, warmup, repeats):\n    [work() for _ in range(warmup + repeats)]\n"
+    "    return float('nan')\n",
+    # the lab's own imports are there (bench), and a test line needing the notebook's state does not sink the cell
+    "delegating": "def median_time(work, sync, clock, warmup, repeats):\n"
+    "    return bench.time_fn(work, warmup=warmup, repeats=repeats, clock=clock, sync=sync).median\n\n\n"
+    "%time x = 1\nprint(median_time(lambda: a @ a, sync, time.perf_counter, 2, 7))\n",
 }
 
 
@@ -97,6 +103,8 @@ def test_planted_submissions_are_graded_for_what_they_do(tmp_path):
         "looping": "timed out",
         "tampering": "failed",  # its own copy of the check changed; the grader's did not
         "networked": "error",
+        "nan": "failed",
+        "delegating": "passed",
         "forgetful": "missing",
     }
     assert all(got[(s, "00.2")] == "passed" for s in [*PLANTED, "forgetful"])  # graded after a crash or a loop too
@@ -110,8 +118,34 @@ def test_planted_submissions_are_graded_for_what_they_do(tmp_path):
     assert rows["wrong"]["00.1 status"] == "failed" and "median" in rows["wrong"]["00.1 message"]
     assert "checks.check_median_time = lambda fn: fn" in rows["tampering"]["notes"]
     assert rows["right"]["notes"] == ""
+    assert "exercise 00.1 uses labkit's bench.time_fn, the answer itself" in rows["delegating"]["notes"]
     page = (tmp_path / "out" / "grades.html").read_text()
     assert "<th>tampering</th>" in page and "timed out" in page and "lambda fn: fn" in page
+
+
+def test_every_submission_is_checked_before_the_first_is_graded(tmp_path):
+    submission(tmp_path / "in", "ann", RIGHT)
+    copy = tmp_path / "in" / "ann" / "00_gpu_setup-Copy1.ipynb"
+    shutil.copy(LAB00, copy)
+    with pytest.raises(ValueError, match="two copies of lab 00 from ann; keep one"):
+        grade.grade([tmp_path / "in"], LABS, tmp_path / "out")
+    copy.unlink()
+    broken = tmp_path / "in" / "zoe" / LAB00.name
+    broken.parent.mkdir()
+    broken.write_text("{not json")
+    with pytest.raises(ValueError, match="is not a notebook"):  # zoe sorts last: ann is not graded first
+        grade.grade([tmp_path / "in"], LABS, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_cell_s_definitions_are_its_second_try():
+    cell = "import statistics\n\n\ndef f(x):\n    return x\n\n\nprint(f(model))\nclass K:\n    pass\n"
+    assert grade.definitions(cell) == "import statistics\n\ndef f(x):\n    return x\n\nclass K:\n    pass"
+    assert grade.definitions("def f(x):\n    return x\n") is None  # nothing to leave out
+    assert grade.without_magics("%%time\nx = 1\n!ls\n%matplotlib inline\ny = 2") == "x = 1\n\n\ny = 2"
+    cells = [nbformat.v4.new_code_cell(s) for s in ('"""def f(x): in a string"""', "def f(x):\n    return 1", "y = 2")]
+    assert grade.student_cell(cells, "f") == "def f(x):\n    return 1"
+    assert grade.student_cell(cells[:1], "f") is None  # only in a string
 
 
 def test_the_page_escapes_what_students_wrote(tmp_path):

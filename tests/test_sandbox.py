@@ -2,7 +2,9 @@
 arguments come back, callables stay with the caller, and nothing the code does — loop, crash, exit, reach for the
 network, return something that runs code when read, replace a check — reaches the process that called it."""
 
+import os
 import socket
+import time
 
 import pytest
 import torch
@@ -144,3 +146,70 @@ def test_an_answer_past_the_size_limit_is_refused_without_reading_it():
         with pytest.raises(sandbox.SandboxError, match="more than the 67,108,864 allowed"):
             child.function("big")()
         assert not child.alive
+
+
+def test_a_lab_s_imports_are_there_for_every_cell_and_a_failing_one_is_skipped(box):
+    box.prelude(["import statistics", "from labkit import bench", "import no_such_module_here"])
+    box.define("def f(xs):\n    return statistics.median(xs), bench.fmt_seconds(1.5)\n")
+    assert box.function("f")([3, 1, 2]) == (2, "1.50 s")
+
+
+def test_a_callback_and_an_in_place_change_in_one_call(box):
+    box.define("def g(t, tick):\n    tick()\n    t.mul_(3)\n    return t.sum().item()\n")
+    mine, ticks = torch.ones(4), []
+    assert box.function("g")(mine, lambda: ticks.append(1)) == 12.0
+    assert mine.tolist() == [3.0] * 4 and ticks == [1]
+
+
+def test_what_a_callback_of_ours_raises_comes_back_as_itself_even_if_the_student_swallows_it(box):
+    box.define("def h(probe):\n    try:\n        probe()\n    except Exception:\n        return 'fine'\n")
+
+    def probe():
+        raise lab00.CheckFailed("the work was called too often")
+
+    with pytest.raises(lab00.CheckFailed, match="called too often"):
+        box.function("h")(probe)
+
+
+def test_iterables_come_back_as_lists_and_tuple_kinds_as_tuples(box):
+    box.define(
+        "import collections\nPoint = collections.namedtuple('Point', 'x y')\n"
+        "def it():\n    return (i * i for i in range(3)), map(str, [1, 2]), range(2), Point(1, 2)\n"
+    )
+    assert box.function("it")() == ([0, 1, 4], ["1", "2"], [0, 1], (1, 2))
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "return torch.zeros(1).expand(10**9)",  # a few bytes on the pipe, 4 GB to use
+        "x = []\n    for _ in range(200):\n        x = [x]\n    return x",  # deeper than any answer
+        "return [[0] * 1000] * 2000",  # 2 M values a check would walk
+    ],
+)
+def test_an_answer_small_on_the_pipe_but_huge_to_use_is_refused(body):
+    with sandbox.Sandbox(timeout=20) as child:
+        child.define(f"def f():\n    {body}\n")
+        with pytest.raises(sandbox.SandboxError, match="not plain data of a sane size"):
+            child.function("f")()
+
+
+def test_a_child_that_reads_nothing_cannot_block_the_caller_s_write():
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    try:
+        with pytest.raises(TimeoutError):
+            sandbox._write_frame(write, b"x" * 2**20, time.monotonic() + 0.5)  # a 1 MiB call into a 64 KiB pipe
+    finally:
+        os.close(read)
+        os.close(write)
+
+
+def test_an_exercise_budget_bounds_all_its_calls_together():
+    with sandbox.Sandbox(timeout=20) as child:
+        child.define("import time\ndef nap():\n    time.sleep(0.4)\n")
+        child.limit(1.0)
+        nap = child.function("nap")
+        with pytest.raises(sandbox.TimedOut):
+            for _ in range(10):  # each call is well within the per-call limit; together they are not
+                nap()

@@ -51,6 +51,7 @@ def goes_on_with(
                 return reference
             return fn
 
+        run.shown_as = name  # type: ignore[attr-defined]  # what the lab calls the reference (its source is an answer)
         return run
 
     return decorate
