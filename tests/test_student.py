@@ -184,3 +184,37 @@ def test_a_damaged_workspace_record_keeps_every_copy_and_says_so(tmp_path, damag
     assert (work / "a.ipynb").read_text() == mine
     nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("b2")]), str(labs / "b.ipynb"))
     assert student.workspace(labs, work)["b.ipynb"] == "updated to the course's new version"  # the record is whole
+
+
+def printed_sources(source: str) -> list[str]:
+    """The dotted names whose source a code cell prints with inspect.getsource."""
+    return re.findall(r"getsource\(\s*([\w.]+)\s*\)", source)
+
+
+def test_printed_sources_are_found():
+    assert printed_sources("print(inspect.getsource(bench.time_fn))\nx = 1\ngetsource( lora.LoRALinear.forward )") == [
+        "bench.time_fn",
+        "lora.LoRALinear.forward",
+    ]
+
+
+@pytest.mark.parametrize("lab", sorted(LABS.glob("[0-9][0-9]_*.ipynb")), ids=lambda p: p.stem)
+def test_no_lab_prints_an_exercises_answer_before_its_check(lab):
+    """A lab may show labkit's source of an exercise's reference as 'compare yours', after the exercise's check;
+    printed before it, the student build hands out the answer above the question."""
+    from labcourse import grade
+
+    cells = nbformat.read(str(lab), as_version=4).cells
+    leaks = []
+    for exercise in grade.exercises(lab):
+        reference = getattr(checks, exercise.check).shown_as  # "bench.time_fn(...).median", "lora.LoRALinear"
+        name = re.match(r"[\w.]+", reference).group(0).split(".")[-1]
+        check_at = next(i for i, c in enumerate(cells) if c.cell_type == "code" and exercise.check + "(" in c.source)
+        leaks += [
+            f"cell {i} prints {shown} before exercise {exercise.number}'s check (cell {check_at})"
+            for i, c in enumerate(cells[:check_at])
+            if c.cell_type == "code"
+            for shown in printed_sources(c.source)
+            if name in shown.split(".")
+        ]
+    assert leaks == []
