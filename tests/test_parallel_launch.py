@@ -171,7 +171,7 @@ def test_progress_lines_move_the_bar_and_stay_out_of_the_log(capsys):
     said = []
     results = launch.launch(REPORT, nproc=2, echo=said.append, timeout=120)
     assert results == [{"rank": 0}, {"rank": 1}]
-    assert "rank 0 of 2 works" in said and "rank 1 of 2 works" in said
+    assert "rank 0 of 2 works" in said and any(line.startswith("rank 1 of 2 works") for line in said)
     assert not any(launch.PROGRESS_MARK in line for line in said)
     bar = capsys.readouterr().err
     assert "report_progress.py, 2 ranks" in bar and "0/3" in bar and "first unit" in bar and "3/3" in bar

@@ -152,8 +152,9 @@ def report_progress(done: int, total: int, what: str = "") -> None:
         raise ValueError(f"need ints 0 <= done <= total, total >= 1; got done={done!r}, total={total!r}")
     if "\n" in what:
         raise ValueError(f"what must be one line, got {what!r}")
-    if int(os.environ.get("RANK", 0)) == 0:
-        print(f"{PROGRESS_MARK} {done}/{total} {what}".rstrip(), flush=True)
+    if int(os.environ.get("RANK", 0)) == 0:  # one write: the ranks share the launcher's pipe
+        sys.stdout.write(f"{PROGRESS_MARK} {done}/{total} {what}".rstrip() + "\n")
+        sys.stdout.flush()
 
 
 def save_result(result: dict[str, Any]) -> None:
@@ -228,7 +229,8 @@ def launch(
         return _rank_results(Path(out), script.name, code, lines)
 
 
-PROGRESS_LINE = re.compile(rf"^{PROGRESS_MARK} (\d+)/(\d+) ?(.*)$")
+# anywhere in a line: another rank's unbuffered print can leave its text, then its newline, around ours
+PROGRESS_LINE = re.compile(rf"{PROGRESS_MARK} (\d+)/(\d+) ?(.*)$")
 
 
 def _run_job(
@@ -243,7 +245,11 @@ def _run_job(
 
     def pump() -> None:
         for line in proc.stdout:
-            if mark := PROGRESS_LINE.match(line.rstrip("\n")):
+            if mark := PROGRESS_LINE.search(line.rstrip("\n")):
+                if before := line[: mark.start()]:  # another rank's words, cut by ours: still the log's
+                    lines.append(before + "\n")
+                    if echo:
+                        echo(before)
                 done, total, what = int(mark[1]), int(mark[2]), mark[3]
                 if bar.total != total:
                     bar.total, bar.bar_format = total, None
