@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import csv
+import functools
 import html
 import io
 import re
@@ -168,16 +169,18 @@ class Boxes:
             self.box.close()
 
 
-def grade_submission(path: str | Path, labs: str | Path, boxes: Boxes) -> tuple[list[Grade], list[str]]:
+def grade_submission(
+    path: str | Path, labs: str | Path, boxes: Boxes, cells: list | None = None
+) -> tuple[list[Grade], list[str]]:
     """Every exercise of one submission graded in `boxes`, and the notes on it: cells that touch the checks, and
-    exercise cells that call labkit's own answer."""
+    exercise cells that call labkit's own answer. `cells`: the submission's, if already read."""
     from labcourse import checks
 
     path = Path(path)
-    student, reference = path.parent.name, _reference(path, labs)
-    cells = read_notebook(path).cells
-    imports, grades, notes = lab_imports(reference), [], tampering(cells)
-    for exercise in exercises(reference):
+    student, (lab_exercises, imports) = path.parent.name, _plan(_reference(path, labs))
+    cells = read_notebook(path).cells if cells is None else cells
+    grades, notes = [], tampering(cells)
+    for exercise in lab_exercises:
         source = student_cell(cells, exercise.function)
         check = getattr(checks, exercise.check)
         if source is None:
@@ -188,6 +191,12 @@ def grade_submission(path: str | Path, labs: str | Path, boxes: Boxes) -> tuple[
                 notes.append(f"exercise {exercise.number} uses labkit's {answer}, the answer itself")
         grades.append(Grade(student, path.name[:2], exercise.number, status, message))
     return grades, notes
+
+
+@functools.cache
+def _plan(reference: Path) -> tuple[list[Exercise], list[str]]:
+    """A reference lab's exercises and imports, read once per process however many students hand it in."""
+    return exercises(reference), lab_imports(reference)
 
 
 def _calls_the_answer(source: str, shown_as: str) -> str | None:
@@ -249,9 +258,10 @@ def grade(submissions: list[str | Path], labs: str | Path, out: str | Path, time
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     seen: dict[tuple[str, str], Path] = {}
+    read = {}
     for path in paths:
         _reference(path, labs)
-        read_notebook(path)
+        read[path] = read_notebook(path).cells
         if (key := (path.parent.name, path.name[:2])) in seen:
             raise ValueError(f"{path} and {seen[key]}: two copies of lab {key[1]} from {key[0]}; keep one")
         seen[key] = path
@@ -260,7 +270,7 @@ def grade(submissions: list[str | Path], labs: str | Path, out: str | Path, time
         boxes = Boxes(timeout)
         try:
             for path in (p for p in paths if p.parent.name == student):
-                found, said = grade_submission(path, labs, boxes)
+                found, said = grade_submission(path, labs, boxes, read[path])
                 grades += found
                 notes.setdefault(student, []).extend(f"{path.name}: {t}" for t in said)
         finally:
